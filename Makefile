@@ -43,7 +43,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests -q
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
-		--sanitize-with .nbval_sanitize.cfg solutions
+		--nbval-sanitize-with .nbval_sanitize.cfg solutions
 
 drift: setup
 	$(BIN)/python -m labkit.grading notebooks --check
