@@ -262,6 +262,21 @@ class Printed:
     def agrees(self) -> bool:
         return not bool(self.off.any())
 
+    def __str__(self) -> str:
+        count = int(self.off.sum())
+        status = "✔ agrees" if self.agrees else f"✘ {count} {'differs' if count == 1 else 'differ'} beyond rounding"
+        return (f"{self.name}\n  book: {fmt(self.printed, self.decimals)}\n"
+                f"  ours: {fmt(self.computed, max(3, self.decimals + 1))}   {status}")
+
+
+def fmt(values, decimals: int = 3) -> str:
+    """A tensor (or number) as nested lists at fixed precision, the way the book prints them."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if isinstance(values, list):
+        return "[" + ", ".join(fmt(v, decimals) for v in values) + "]"
+    return f"{values:.{decimals}f}" if round(values, decimals) else f"{0.0:.{decimals}f}"  # no "-0.000"
+
 
 def computed_like_book(model: WorkedExample) -> dict[str, torch.Tensor]:
     """Everything the book prints, computed here (prefill of the prompt, then X[2] for "AI")."""
@@ -294,8 +309,19 @@ def computed_like_book(model: WorkedExample) -> dict[str, torch.Tensor]:
     }
 
 
+def compare(name: str, computed: torch.Tensor, path: Path = DATA_PATH) -> Printed:
+    """One of our values beside the number the book prints under `name` (a key of the JSON's "book")."""
+    entries = load_data(path)["book"]
+    if name not in entries:
+        raise ValueError(f"the book prints no {name!r}; it prints {', '.join(entries)}")
+    entry = entries[name]
+    printed = torch.tensor(entry["values"], dtype=DTYPE)
+    computed = torch.as_tensor(computed, dtype=DTYPE).detach().cpu()
+    if computed.shape != printed.shape:
+        raise ValueError(f"{name}: ours has shape {tuple(computed.shape)}, the book's {tuple(printed.shape)}")
+    return Printed(name, entry["where"], entry["decimals"], printed, computed)
+
+
 def compare_with_book(model: WorkedExample, path: Path = DATA_PATH) -> dict[str, Printed]:
-    computed = computed_like_book(model)
-    return {name: Printed(name, entry["where"], entry["decimals"],
-                          torch.tensor(entry["values"], dtype=DTYPE), computed[name].cpu())
-            for name, entry in load_data(path)["book"].items()}
+    """Every printed number beside ours, computed from the example's inputs."""
+    return {name: compare(name, value, path) for name, value in computed_like_book(model).items()}
