@@ -50,10 +50,6 @@ class WorkedExample:
             raise ValueError(f"token {token!r} is not in the vocabulary {self.vocab}")
         return self.vocab.index(token)
 
-    def to(self, device) -> "WorkedExample":
-        moved = {name: getattr(self, name).to(device) for name in self.__dataclass_fields__ if name != "vocab"}
-        return WorkedExample(vocab=self.vocab, **moved)
-
 
 def load_data(path: Path = DATA_PATH) -> dict:
     """The JSON file as it is: weights with their provenance, and the numbers the book prints."""
@@ -61,14 +57,15 @@ def load_data(path: Path = DATA_PATH) -> dict:
 
 
 def load_worked_example(path: Path = DATA_PATH, device="cpu") -> WorkedExample:
-    weights = load_data(path)["weights"]
+    data = load_data(path)
+    weights = data["weights"]
 
     def tensor(name):
         return torch.tensor(weights[name]["values"], dtype=DTYPE, device=device)
 
-    heads = range(1, len(weights["W_O"]["values"]) // 2 + 1)
+    heads = range(1, sum(name.startswith("W_Q") for name in weights) + 1)
     return WorkedExample(
-        vocab=tuple(load_data(path)["vocab"]),
+        vocab=tuple(data["vocab"]),
         embeddings=tensor("E"),
         positional=tensor("PE"),
         w_q=torch.stack([tensor(f"W_Q{h}") for h in heads]),
@@ -104,6 +101,8 @@ def sinusoidal_positions(n_positions: int, d_model: int = 4, base: float = 100.0
 def build_x(embeddings: torch.Tensor, positional: torch.Tensor, token_ids, start: int = 0) -> torch.Tensor:
     """X[i] = E[token_ids[i]] + PE[start + i]: the layer's input rows for tokens at start, start+1, ..."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=embeddings.device).reshape(-1)
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < embeddings.shape[0]):
+        raise ValueError(f"token_ids {ids.tolist()} must lie in 0..{embeddings.shape[0] - 1} (rows of E)")
     if start < 0 or start + len(ids) > positional.shape[0]:
         raise ValueError(f"positions {start}..{start + len(ids) - 1} are outside PE's {positional.shape[0]} rows")
     return embeddings[ids] + positional[start:start + len(ids)]

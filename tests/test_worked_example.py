@@ -60,6 +60,7 @@ def test_exactly_the_known_numbers_disagree_with_the_book(model):
     compared = we.compare_with_book(model)
     off = {name: p.off.nonzero().tolist() for name, p in compared.items() if not p.agrees}
     assert off == ROUNDED_INTERMEDIATES | DOES_NOT_FOLLOW
+    assert len(compared) - len(off) == 20  # Lab 03: "20 of 27 printed quantities agree"
     assert {"X", "Q1", "K1", "V1", "Q2", "K2", "V2", "mha", "layer_output", "logits", "probs", "x2"} <= {
         name for name, p in compared.items() if p.agrees}
 
@@ -91,6 +92,13 @@ def test_prefill_predicts_ai(model):
     trace = we.forward(model, [model.token_id("I"), model.token_id("love")])
     assert model.vocab[trace.next_token] == "AI"
     assert round(trace.probs[-1].max().item(), 3) == 0.257
+
+
+def test_the_toy_keeps_predicting_ai(model):
+    """Lab 04's text: the rank-1 W_LM (one printed logits row) ranks like position 1 at every step."""
+    traces, _ = we.generate(model, [1, 2], steps=3)
+    assert [model.vocab[t.next_token] for t in traces] == ["AI"] * 4
+    assert torch.linalg.matrix_rank(model.w_lm) == 1
 
 
 def test_attention_matches_torch_sdpa():
@@ -133,11 +141,21 @@ def test_work_counted(model):
     # The book's §10.2 count: K and V re-projected over 512 decode steps after a 512-token prompt.
     decode_only = we.projection_matvecs(512, 512, cached=False, per_token=2) - 2 * 512
     assert decode_only == 786_944
+    # Lab 04's claims: the book's "about 1,500" is Q, K and V (1,536); K,V against K,V saves 768x,
+    # its 500x mixes the two; over the whole generation the cache saves 385x.
+    assert (decode_only // (2 * 512), decode_only // (3 * 512)) == (768, 512)
+    assert round(we.projection_matvecs(512, 512, cached=False) / we.projection_matvecs(512, 512, cached=True)) == 385
 
 
 def test_bad_inputs_are_named(model):
     with pytest.raises(ValueError, match="outside PE"):
         we.build_x(model.embeddings, model.positional, [1, 2], start=4)
+    with pytest.raises(ValueError, match="token_ids"):
+        we.build_x(model.embeddings, model.positional, [5])
+    with pytest.raises(ValueError, match="prints no 'Q3'"):
+        we.compare("Q3", torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"ours has shape \(2, 2\), the book's \(4,\)"):
+        we.compare("x2", torch.zeros(2, 2))
     with pytest.raises(ValueError, match="not in the vocabulary"):
         model.token_id("robot")
     cache = we.KVCache(2, 2)
