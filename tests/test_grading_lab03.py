@@ -24,6 +24,7 @@ FUTURE = lambda s: torch.ones_like(s, dtype=torch.bool).triu(1)  # noqa: E731
     ("name", "answer", "reason"),
     [
         ("build_x", ref.build_x, None),
+        ("build_x", lambda e, pe, ids: ref.build_x(e.float(), pe.float(), ids), None),
         ("build_x", not_implemented, "not implemented yet"),
         ("build_x", lambda e, pe, ids: e[torch.tensor(ids)], "positional encodings were not added"),
         ("build_x", lambda e, pe, ids: e[torch.tensor(ids)] + pe[torch.tensor(ids)], "indexed by token id"),

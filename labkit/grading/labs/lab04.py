@@ -13,8 +13,10 @@ def embed_token(ns):
     fn = require(ns, "embed_token")
     embeddings, positional = _random(6, 3, seed=40), _random(8, 3, seed=41)
     for token_id, position in ((2, 5), (5, 3)):
-        got = _tensor_of_shape(fn(embeddings, positional, token_id, position), (1, 3),
-                               "the new token's input row (1 x d_model)")
+        got = fn(embeddings, positional, token_id, position)
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == (3,):
+            raise ExerciseFailed("return one row of shape (1, d_model), not a flat vector: add .unsqueeze(0)")
+        got = _tensor_of_shape(got, (1, 3), "the new token's input row (1 x d_model)")
         row = embeddings[token_id]
         if _close(got[0], row):
             raise ExerciseFailed("the positional encoding was not added: X[t] = E[token] + PE[t]")
