@@ -31,6 +31,8 @@ def smollm2():
     weights = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
     missing = hf.load_state_dict(weights, strict=False).missing_keys
     assert missing == ["lm_head.weight"]  # tied to the embedding, as labkit's
+    hf.tie_weights()
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     return tokenizer, hf, load_model("smollm2", device="cpu")
 
 
