@@ -55,12 +55,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, storage: PagedKVStorage, backend, sampler):
+    def __init__(self, model, storage: PagedKVStorage, backend):
         self.model = model
         self.storage = storage
         self.block_size = storage.block_size
         self.backend = backend
-        self.sampler = sampler
         self.device = model.device
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
@@ -107,5 +106,10 @@ class ModelRunner:
         if not step.sampled_seqs:
             return [], []
         logits = self.model.compute_logits(hidden[step.sample_rows])
-        tokens = self.sampler(logits, step.sampled_seqs)
-        return step.sampled_seqs, tokens
+        return step.sampled_seqs, self.sample(logits, step.sampled_seqs)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Next token of each sequence; an all-greedy batch is one argmax, nothing else to set up."""
+        if all(seq.params.greedy for seq in seqs):
+            return logits.argmax(-1).tolist()
+        return sample_batch(logits, seqs)

@@ -224,11 +224,12 @@ class Scheduler:
         """
         finished = []
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            if seq.is_finished:
-                if seq in self.running:  # not aborted in the meantime
-                    self.running.remove(seq)
-                    self.block_manager.deallocate(seq)
+            if seq.is_finished and seq not in self.running:  # aborted in the meantime: already released
                 finished.append(seq)
-            else:
-                seq.num_cached_tokens += n
+                continue
+            seq.num_cached_tokens += n  # before any release: the prefix cache keeps computed blocks only
+            if seq.is_finished:
+                self.running.remove(seq)
+                self.block_manager.deallocate(seq)
+                finished.append(seq)
         return finished
