@@ -115,7 +115,7 @@ def test_any_text_matches_smollm2(labkit_tok, hf_true, text):
         assert labkit_tok.decode(labkit_tok.encode(text)) == text
 
 
-@pytest.mark.parametrize("text", ["<|im_start|>user\nhi<|im_end|>", "a<|endoftext|>b", "<file_sep><|im_end|>"])
+@pytest.mark.parametrize("text", ["<|im_start|>user\nhi<|im_end|>", "a<|endoftext|>b", "<file_sep>x"])
 def test_special_looking_text_as_plain_text(labkit_tok, hf_gguf, text):
     ids = labkit_tok.encode(text, allowed_special="none")
     assert ids == hf_gguf.encode(text, split_special_tokens=True)
