@@ -1,0 +1,61 @@
+"""Course tooling: python -m labkit.grading {notebooks,execute,grade,selfcheck} (see `make help`)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.grading")
+    commands = parser.add_subparsers(dest="command", required=True)
+    nbs = commands.add_parser("notebooks", help="generate the student notebooks from the solutions")
+    nbs.add_argument("--solutions", type=Path, default=Path("solutions"))
+    nbs.add_argument("--out", type=Path, default=Path("notebooks"))
+    nbs.add_argument("--check", action="store_true", help="only report notebooks that differ")
+    run = commands.add_parser("execute", help="re-execute notebooks in place")
+    run.add_argument("paths", type=Path, nargs="+")
+    grade = commands.add_parser("grade", help="grade a folder of filled-in notebooks")
+    grade.add_argument("folder", type=Path)
+    grade.add_argument("--report", type=Path, default=Path("reports/grades.json"))
+    grade.add_argument("--jobs", type=int, default=2)
+    self_check = commands.add_parser("selfcheck", help="solutions earn full marks, notebooks zero")
+    self_check.add_argument("--solutions", type=Path, default=Path("solutions"))
+    self_check.add_argument("--notebooks", type=Path, default=Path("notebooks"))
+    self_check.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    if args.command == "notebooks":
+        from labkit.grading.assign import MarkerError, generate
+
+        try:
+            differing = generate(args.solutions, args.out, check_only=args.check)
+        except MarkerError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        if args.check and differing:
+            print("notebooks/ differs from what `make notebooks` generates: "
+                  + ", ".join(str(p) for p in differing), file=sys.stderr)
+            return 1
+        return 0
+    if args.command == "execute":
+        from labkit.grading.execute import execute_in_place
+
+        for path in args.paths:
+            print(f"executing {path}", flush=True)
+            execute_in_place(path)
+        return 0
+    if args.command == "grade":
+        from labkit.grading.report import format_table, grade_folder, write_json
+
+        reports = grade_folder(args.folder, args.jobs)
+        print(format_table(reports))
+        write_json(reports, args.report)
+        print(f"report written to {args.report}")
+        return 0 if all(o.passed for r in reports for o in r.outcomes) else 1
+    from labkit.grading.selfcheck import selfcheck
+
+    return 0 if selfcheck(args.solutions, args.notebooks, args.jobs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

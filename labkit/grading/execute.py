@@ -1,0 +1,68 @@
+"""Run notebooks in a Jupyter kernel, the same way for `make execute` and for grading.
+
+Stored outputs must be reproducible byte for byte: no timing metadata, no widget state, and
+widget views (whose model ids are random) reduced to their text form.
+"""
+
+import os
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+CELL_TIMEOUT_S = 900
+
+
+def _client(nb: nbformat.NotebookNode, cwd: Path, allow_errors: bool) -> NotebookClient:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    return NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        allow_errors=allow_errors,
+        record_timing=False,
+        store_widget_state=False,
+        resources={"metadata": {"path": str(cwd)}},
+    )
+
+
+def normalize_outputs(nb: nbformat.NotebookNode) -> None:
+    """Drop what changes from run to run although the computation did not."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        cell.metadata.pop("execution", None)
+        for output in cell.get("outputs", []):
+            output.get("data", {}).pop(WIDGET_VIEW, None)
+    nb.metadata.pop("widgets", None)
+
+
+def execute_in_place(path: Path) -> None:
+    """Re-run a solution notebook top to bottom and store its outputs (any error stops it)."""
+    nb = nbformat.read(path, as_version=nbformat.NO_CONVERT)
+    _client(nb, path.parent, allow_errors=False).execute()
+    normalize_outputs(nb)
+    path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+
+
+def run_then_evaluate(path: Path, code: str) -> tuple[nbformat.NotebookNode, str | None]:
+    """Run every cell (an error only costs what depends on it), then `code` in the same kernel.
+
+    Returns the executed notebook and the text `code` printed (None if the kernel died).
+    """
+    nb = nbformat.read(path, as_version=nbformat.NO_CONVERT)
+    client = _client(nb, path.parent, allow_errors=True)
+    probe = nbformat.v4.new_code_cell(code)
+    nb.cells.append(probe)  # nbclient stores each executed cell back into the notebook
+    try:
+        with client.setup_kernel():
+            for index, cell in enumerate(nb.cells):
+                client.execute_cell(cell, index)
+    except Exception:  # a dead kernel or a timeout: the caller reports it per exercise
+        return nb, None
+    finally:
+        nb.cells.pop()
+    printed = "".join(o.get("text", "") for o in probe.outputs if o.get("name") == "stdout")
+    return nb, printed
