@@ -158,8 +158,8 @@ CONVERSATIONS = [
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_renders_as_transformers(labkit_tok, hf_gguf, messages, add_generation_prompt):
-    ours = labkit_tok.apply_chat_template(messages, add_generation_prompt)
-    theirs = hf_gguf.apply_chat_template(messages, add_generation_prompt, tokenize=False)
+    ours = labkit_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = hf_gguf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     assert ours == theirs
     assert labkit_tok.encode(ours) == hf_gguf.encode(theirs)
 
