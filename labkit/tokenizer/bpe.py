@@ -8,13 +8,14 @@ touched), so a merge costs time proportional to where that pair occurs, not to t
 import heapq
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import pairwise
 
 Pair = tuple[int, int]
 
 
 def pair_counts(ids: Sequence[int]) -> Counter:
     """How often each adjacent pair of ids occurs in `ids`."""
-    return Counter(zip(ids, ids[1:]))
+    return Counter(pairwise(ids))
 
 
 def merge_pair(ids: Sequence[int], pair: Pair, new_id: int) -> list[int]:
@@ -40,7 +41,7 @@ def apply_merges(ids: list[int], merges: Mapping[Pair, tuple[int, int]]) -> list
     """
     while len(ids) > 1:
         best_rank, best_pair = None, None
-        for pair in zip(ids, ids[1:]):
+        for pair in pairwise(ids):
             merge = merges.get(pair)
             if merge is not None and (best_rank is None or merge[0] < best_rank):
                 best_rank, best_pair = merge[0], pair
@@ -60,8 +61,8 @@ def train_merges(words: Mapping[bytes, int], num_merges: int) -> list[Pair]:
     freqs = list(words.values())
     counts: Counter = Counter()
     where: dict[Pair, set[int]] = {}
-    for index, (piece, freq) in enumerate(zip(pieces, freqs)):
-        for pair in zip(piece, piece[1:]):
+    for index, (piece, freq) in enumerate(zip(pieces, freqs, strict=True)):
+        for pair in pairwise(piece):
             counts[pair] += freq
             where.setdefault(pair, set()).add(index)
     heap = [(-count, pair) for pair, count in counts.items()]
@@ -82,10 +83,10 @@ def train_merges(words: Mapping[bytes, int], num_merges: int) -> list[Pair]:
             merged = merge_pair(piece, pair, new_id)
             if len(merged) == len(piece):
                 continue  # the index is stale: an earlier merge already consumed this pair here
-            for old in zip(piece, piece[1:]):
+            for old in pairwise(piece):
                 counts[old] -= freq
                 changed.add(old)
-            for new in zip(merged, merged[1:]):
+            for new in pairwise(merged):
                 counts[new] += freq
                 changed.add(new)
                 where.setdefault(new, set()).add(index)

@@ -26,6 +26,8 @@ def check_messages(messages) -> None:
     if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
                         f"got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty: a chat template needs at least one message")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")

@@ -31,7 +31,8 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
         raise ValueError(f"{path}: unknown pre-tokenizer {pre!r}; known: {sorted(GGUF_PRE_PATTERNS)}")
     tokens = field("tokenizer.ggml.tokens")
     types = field("tokenizer.ggml.token_type")
-    special = {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind in SPECIAL_TOKEN_TYPES}
+    kinds = dict(enumerate(types))
+    special = {token: i for i, token in enumerate(tokens) if kinds[i] in SPECIAL_TOKEN_TYPES}
     return Tokenizer.from_printable(
         tokens, field("tokenizer.ggml.merges"), GGUF_PRE_PATTERNS[pre], special,
         bos_token_id=field("tokenizer.ggml.bos_token_id"),

@@ -48,8 +48,9 @@ class Tokenizer:
         self.chat_template = chat_template
 
         ids_by_bytes = {data: i for i, data in enumerate(self.vocab) if i not in self._special_ids}
-        # A vocabulary may lack a few bytes (SmolLM2 has no token for 6 control characters nor for
-        # 0xC0/0xC1, which never occur in UTF-8). Like `tokenizers` without an unknown token,
+        # A vocabulary may lack a few bytes: SmolLM2 has no token for 6 ASCII control characters,
+        # for 13 byte values that never occur in UTF-8, nor for 0xF1/0xF2 (which start only code
+        # points in the unassigned planes 4-11). Like `tokenizers` without an unknown token,
         # encoding drops such bytes; they are listed in `missing_bytes`.
         self._byte_ids = [ids_by_bytes.get(bytes([b])) for b in range(256)]
         self.missing_bytes = bytes(b for b in range(256) if self._byte_ids[b] is None)
@@ -71,8 +72,9 @@ class Tokenizer:
         strings whose literal text becomes their id; other text is encoded as ordinary bytes."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = [self.bos_token_id] if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
-            else []
+        ids = []
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids.append(self.bos_token_id)
         splitter = self._special_splitter(allowed_special)
         chunks = splitter.split(text) if splitter is not None else [text]
         for index, chunk in enumerate(chunks):
@@ -199,7 +201,8 @@ class Tokenizer:
                        special_tokens: dict[str, int], **options) -> "Tokenizer":
         """Build from GPT-2-style printable tokens and "left right" merge lines (GGUF, HF, saved files)."""
         special_ids = set(special_tokens.values())
-        vocab = [t.encode("utf-8") if i in special_ids else printable_to_bytes(t) for i, t in enumerate(tokens)]
+        vocab = [t.encode("utf-8") if i in special_ids else printable_to_bytes(t)
+                 for i, t in enumerate(tokens)]
         ids = {t: i for i, t in enumerate(tokens) if i not in special_ids}
         pairs = []
         for rank, line in enumerate(merges):
@@ -210,7 +213,8 @@ class Tokenizer:
         return cls(vocab, pairs, pattern, special_tokens, **options)
 
 
-def train(text: str, vocab_size: int, pattern: str = "gpt2", special_tokens: Collection[str] = ()) -> Tokenizer:
+def train(text: str, vocab_size: int, pattern: str = "gpt2",
+          special_tokens: Collection[str] = ()) -> Tokenizer:
     """Learn a byte-level BPE tokenizer of `vocab_size` tokens (256 bytes + merges + specials).
 
     Special tokens get the last ids; their occurrences in `text` are cut out before counting.
