@@ -249,3 +249,14 @@ def test_without_prefix_caching_nothing_is_shared():
     b = BlockSequence("b", [1, 2, 3])
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and bm.hash_to_block == {}
+
+
+@pytest.mark.parametrize("block_size, hit_tokens", [(8, 7 * 40), (16, 7 * 32), (32, 7 * 32), (256, 0)])
+def test_lab09_claim_shared_system_prompt_hits_whole_blocks_only(block_size, hit_tokens):
+    """Lab 09 §3: a 40-token system prompt shared by 8 requests; only whole blocks inside it are reused."""
+    g = torch.Generator().manual_seed(9)
+    system = torch.randint(100, 1000, (40,), generator=g).tolist()
+    bm = BlockManager(num_blocks=128, block_size=block_size)
+    for i in range(8):
+        prefill(bm, BlockSequence(i, system + torch.randint(100, 1000, (6,), generator=g).tolist()))
+    assert bm.stats.hit_tokens == hit_tokens and bm.stats.queried_tokens == 8 * 46
