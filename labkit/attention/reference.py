@@ -36,24 +36,24 @@ def online_softmax_attention(query: torch.Tensor, key_blocks: list[torch.Tensor]
                              value_blocks: list[torch.Tensor]) -> torch.Tensor:
     """One query token [H, D] against K/V given as blocks [block_size, H, D], one block at a time.
 
-    Keeps per head a running max m, a running sum l of exp(score - m) and a running weighted sum
-    acc of values; when a block raises the max, l and acc are rescaled by exp(m_old - m_new).
+    Keeps per head a running max m, a running sum denom of exp(score - m) and a running weighted sum
+    acc of values; when a block raises the max, denom and acc are rescaled by exp(m_old - m_new).
     The result equals softmax over all keys at once, but no block needs the others in memory.
     """
     d = query.shape[-1]
     q = query.float()
     m = torch.full(q.shape[:1], float("-inf"))
-    l = torch.zeros(q.shape[:1])
+    denom = torch.zeros(q.shape[:1])
     acc = torch.zeros(q.shape)
     for kb, vb in zip(key_blocks, value_blocks, strict=True):
         s = torch.einsum("hd,bhd->hb", q, kb.float()) / math.sqrt(d)  # [H, block]
         m_new = torch.maximum(m, s.max(-1).values)
         p = torch.exp(s - m_new[:, None])
         alpha = torch.exp(m - m_new)
-        l = alpha * l + p.sum(-1)
+        denom = alpha * denom + p.sum(-1)
         acc = alpha[:, None] * acc + torch.einsum("hb,bhd->hd", p, vb.float())
         m = m_new
-    return (acc / l[:, None]).to(query.dtype)
+    return (acc / denom[:, None]).to(query.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int | None = None) -> torch.Tensor:

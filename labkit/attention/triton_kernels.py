@@ -9,10 +9,11 @@ per group. The softmax is the online one: running max, running sum, rescaled acc
 
 Triton is imported when a kernel is first used, not when this module is imported, so the module
 loads without triton and TRITON_INTERPRET=1 (the CPU interpreter) only has to be set before the
-first call. Tolerances against `labkit.attention.reference` (measured by the tests on the CPU
-interpreter in fp32; on CUDA the same code compiles): fp32 max abs diff <= 1e-5 (dots use IEEE fp32,
-not TF32); fp16 <= 2e-3 and bf16 <= 1.6e-2 on unit-variance inputs, from rounding the softmax weights
-to the V dtype before the second dot, as FlashAttention does.
+first call. Tolerances against `labkit.attention.reference` (on the same inputs, reference in fp32):
+fp32 max abs diff <= 1e-5 (dots use IEEE fp32, not TF32; tested on the CPU interpreter); fp16 <= 2e-3
+on unit-variance inputs (tested on the interpreter: the softmax weights are rounded to fp16 before
+the second dot, as FlashAttention does); bf16 <= 1.6e-2 on CUDA (three fewer mantissa bits than fp16,
+so 8x the rounding; the interpreter cannot run bf16, so this bound is stated, not tested here).
 """
 
 import functools
