@@ -10,8 +10,6 @@ from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.engine.sequence import FinishReason, Sequence, SequenceStatus
 from labkit.sampling import SamplingParams
 
-EOS = frozenset({0})
-
 
 def make(num_blocks=16, block_size=8, swap=False, **config):
     config.setdefault("max_model_len", 256)
@@ -31,7 +29,8 @@ def fake_step(sched):
     for s, n in zip(out.seqs, out.num_new_tokens, strict=True):
         if s.num_cached_tokens + n == s.num_tokens:
             s.append_token(7)
-            s.check_finished(EOS)
+            if s.num_output_tokens == s.params.max_tokens:
+                s.finish(FinishReason.MAX_TOKENS)
     sched.postprocess(out)
     return out
 

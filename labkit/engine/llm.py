@@ -26,7 +26,7 @@ from labkit.engine.model_runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, 
 from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from labkit.engine.sequence import FinishReason, Sequence
 from labkit.model import DecoderModel, load_model
-from labkit.sampling import SamplingParams
+from labkit.sampling import SamplingParams, check_stop
 from labkit.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 
@@ -78,8 +78,7 @@ class LLM:
             self.block_manager, self.storage)
         backend = PagedAttentionBackend(self.storage, attention_backend)
         self.runner = ModelRunner(self.model, self.storage, backend)
-        self.eos_token_ids = frozenset(
-            t for t in (self.tokenizer.eos_token_id, config.eos_token_id) if t is not None)
+        self.eos_token_id = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.metrics = EngineMetrics()
         self._requests: dict[int, Sequence] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -154,23 +153,18 @@ class LLM:
             seq.first_token_time = now
         piece = self._detok[seq.seq_id].push(token)
         seq.text += piece
-        if seq.check_finished(self.eos_token_ids):
-            return
-        if seq.params.stop and piece:
-            self._check_stop_strings(seq, len(piece))
-        if not seq.is_finished and seq.num_tokens >= self.scheduler.config.max_model_len:
+        state = check_stop(seq.params, seq.output_token_ids, seq.text, len(piece), self.eos_token_id)
+        if state is not None:
+            if state.finish_reason == "length":
+                seq.finish(FinishReason.MAX_TOKENS)
+            elif state.stop_reason is None:
+                seq.finish(FinishReason.EOS, token)
+            else:
+                if state.text_end is not None:  # vLLM's rule: the text stops before the stop string
+                    seq.text = seq.text[:state.text_end]
+                seq.finish(FinishReason.STOP, state.stop_reason)
+        elif seq.num_tokens >= self.scheduler.config.max_model_len:
             seq.finish(FinishReason.MAX_TOKENS)
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, num_new_chars: int) -> None:
-        """A stop string may straddle tokens: search only where it could end in the new text."""
-        for stop in seq.params.stop:
-            begin = max(0, len(seq.text) - num_new_chars - len(stop) + 1)
-            at = seq.text.find(stop, begin)
-            if at >= 0:
-                seq.text = seq.text[:at]  # vLLM's rule: the output stops before the stop string
-                seq.finish(FinishReason.STOP, stop)
-                return
 
     def _account(self, out: SchedulerOutput, num_sampled: int, elapsed: float) -> None:
         m = self.metrics

@@ -19,6 +19,7 @@ import torch
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.engine.sequence import Sequence
+from labkit.sampling import Sampler, SamplingMetadata
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.backend = backend
         self.device = model.device
+        self.sampler = Sampler()
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
         """Flatten one scheduled step into the model's inputs and the attention metadata."""
@@ -109,7 +111,14 @@ class ModelRunner:
         return step.sampled_seqs, self.sample(logits, step.sampled_seqs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next token of each sequence; an all-greedy batch is one argmax, nothing else to set up."""
-        if all(seq.params.greedy for seq in seqs):
+        """Next token of each sequence; an all-greedy batch is one argmax, nothing else to pack."""
+        if all(seq.params.greedy and not _penalized(seq.params) for seq in seqs):
             return logits.argmax(-1).tolist()
-        return sample_batch(logits, seqs)
+        metadata = SamplingMetadata.from_requests([seq.params for seq in seqs],
+                                                  [seq.prompt_token_ids for seq in seqs],
+                                                  [seq.output_token_ids for seq in seqs], device=logits.device)
+        return self.sampler(logits, metadata).tolist()
+
+
+def _penalized(params) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0

@@ -31,9 +31,11 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-class FinishReason(Enum):
+class FinishReason(str, Enum):
+    """Seed 004's four reasons. vLLM reports EOS and STOP both as "stop"; labkit keeps them apart."""
+
     EOS = "eos"  # the model produced an end-of-sequence token
-    MAX_TOKENS = "length"  # max_tokens reached (vLLM calls this "length")
+    MAX_TOKENS = "length"  # max_tokens (or max_model_len) reached: vLLM's "length"
     STOP = "stop"  # a stop string or stop token appeared
     ABORTED = "abort"  # cancelled by the caller
 
@@ -110,21 +112,6 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finish_time = time.perf_counter()
-
-    def check_finished(self, eos_token_ids: frozenset[int]) -> bool:
-        """After a token is appended: did it end the sequence? Sets the finish reason if so.
-
-        Stop strings are checked by the engine (they need the text); this covers token rules.
-        """
-        params = self.params
-        last = self.token_ids[-1]
-        if last in params.stop_token_ids:
-            self.finish(FinishReason.STOP, last)
-        elif not params.ignore_eos and last in eos_token_ids:
-            self.finish(FinishReason.EOS, last)
-        elif self.num_output_tokens >= params.max_tokens:
-            self.finish(FinishReason.MAX_TOKENS)
-        return self.is_finished
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, {self.status.value}, priority={self.priority}, "
