@@ -100,7 +100,7 @@ def prefix_ttft(llm: LLM) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 128))
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 96))
     parser.add_argument("--output-len", type=int, nargs=2, default=(8, 128))
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size (labkit: max_num_seqs)")
     parser.add_argument("--threads", type=int, default=1,
