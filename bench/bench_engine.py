@@ -112,9 +112,14 @@ def main():
 
     prompts, outputs = workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
     total_out = sum(outputs)
+    batches = [range(i, min(i + args.hf_batch, len(prompts))) for i in range(0, len(prompts), args.hf_batch)]
     print(f"workload: {len(prompts)} requests, prompt lengths {args.prompt_len[0]}-{args.prompt_len[1]} "
           f"({sum(map(len, prompts))} tokens), output lengths {args.output_len[0]}-{args.output_len[1]} "
           f"({total_out} tokens); SmolLM2-135M fp32 on {torch.get_num_threads()} CPU thread(s)")
+    useful = sum(map(len, prompts)) + total_out
+    padded = sum(len(b) * (max(len(prompts[i]) for i in b) + max(outputs[i] for i in b)) for b in batches)
+    print(f"token positions computed: labkit {useful}, transformers {padded} with padding "
+          f"({padded / useful:.2f}x: the ratio to expect if a position cost both the same)")
 
     llm = LLM("smollm2", device="cpu", max_num_seqs=args.hf_batch, max_num_batched_tokens=2048)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -126,7 +131,6 @@ def main():
 
     hf = load_transformers()
     hf_generate(hf, prompts[:2], 2)  # warm-up
-    batches = [range(i, min(i + args.hf_batch, len(prompts))) for i in range(0, len(prompts), args.hf_batch)]
     t_hf = sum(time_it(lambda b=b: hf_generate(hf, [prompts[i] for i in b], max(outputs[i] for i in b)))
                for b in batches)
     tput_hf = total_out / t_hf

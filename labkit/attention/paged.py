@@ -58,16 +58,16 @@ class PagedAttentionBackend:
         k_cache, v_cache = self.storage.layer(layer)
         if meta.slot_mapping is not None:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
-        no_prefix = torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k)
+        # torch.equal reads the tensors back to the host, so the Triton path (which CUDA graphs capture) avoids it.
         if meta.block_tables is None:
-            if not no_prefix:
+            if not torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k):
                 raise ValueError("meta.block_tables is None but cu_seqlens_k differs from cu_seqlens_q: "
                                  "a step over cached tokens needs block tables")
             return reference.varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
         if self._kernels is not None:
             return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                  meta.cu_seqlens_k, meta.max_seqlen_q)
-        if no_prefix:  # every key is a new token: attend over k, v directly, no gather needed
+        if torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k):  # all keys are new tokens: no gather needed
             return reference.varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
         return reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                          meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)

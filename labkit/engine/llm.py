@@ -12,6 +12,7 @@ incrementally, checks the stop rules and releases what finished.
 import itertools
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -77,7 +78,11 @@ class LLM:
                             preemption_mode),
             self.block_manager, self.storage)
         backend = PagedAttentionBackend(self.storage, attention_backend)
-        self.runner = ModelRunner(self.model, self.storage, backend)
+        graphs = None
+        if use_cuda_graph and self.device.type == "cuda" and backend.backend == "triton":
+            graphs = _capture_decode_graphs(self.model, backend, max_num_seqs, -(-max_model_len // block_size),
+                                            max_model_len)
+        self.runner = ModelRunner(self.model, self.storage, backend, graphs)
         self.eos_token_id = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.metrics = EngineMetrics()
         self._requests: dict[int, Sequence] = {}
@@ -257,6 +262,18 @@ class LLM:
 
     def reset_metrics(self) -> None:
         self.metrics = EngineMetrics()
+
+
+def _capture_decode_graphs(model, backend, max_num_seqs, max_blocks, max_model_len):
+    """CUDA graphs for decode steps, or None (with a warning) if capturing fails: eager still works."""
+    from labkit.engine.cuda_graph import DecodeGraphs
+
+    try:
+        with torch.inference_mode():
+            return DecodeGraphs(model, backend, max_num_seqs, max_blocks, max_model_len)
+    except Exception as error:  # noqa: BLE001 - any capture failure means: run without graphs
+        warnings.warn(f"CUDA graph capture failed, decoding without graphs: {error}", stacklevel=3)
+        return None
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -56,13 +56,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, storage: PagedKVStorage, backend):
+    def __init__(self, model, storage: PagedKVStorage, backend, decode_graphs=None):
+        """`decode_graphs` (CUDA only, see cuda_graph.py) replays recorded decode steps."""
         self.model = model
         self.storage = storage
         self.block_size = storage.block_size
         self.backend = backend
         self.device = model.device
         self.sampler = Sampler()
+        self.decode_graphs = decode_graphs
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
         """Flatten one scheduled step into the model's inputs and the attention metadata."""
@@ -104,10 +106,15 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], list[int]]:
         """One forward step. Returns the sequences that got a next token, and those tokens."""
         step = self.prepare(seqs, num_new_tokens)
-        hidden = self.model.forward_hidden(step.input_ids, step.positions, step.meta, self.backend)
-        if not step.sampled_seqs:
-            return [], []
-        logits = self.model.compute_logits(hidden[step.sample_rows])
+        graphs = self.decode_graphs
+        if (graphs is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)
+                and graphs.fits(len(seqs), step.meta.block_tables.shape[1])):
+            logits = graphs.run(step.input_ids, step.positions, step.meta)
+        else:
+            hidden = self.model.forward_hidden(step.input_ids, step.positions, step.meta, self.backend)
+            if not step.sampled_seqs:
+                return [], []
+            logits = self.model.compute_logits(hidden[step.sample_rows])
         return step.sampled_seqs, self.sample(logits, step.sampled_seqs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
