@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REPORT ?= reports/grades.json
+JOBS ?= 2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
@@ -41,18 +42,18 @@ execute: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests -q
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
+	$(BIN)/python -m pytest tests -q -n $(JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --nbval --nbval-current-env \
 		--nbval-sanitize-with .nbval_sanitize.cfg solutions
 
 drift: setup
 	$(BIN)/python -m labkit.grading notebooks --check
 
 selfcheck: setup
-	$(BIN)/python -m labkit.grading selfcheck
+	$(BIN)/python -m labkit.grading selfcheck --jobs $(JOBS)
 
 grade: setup
-	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT)
+	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS)
 
 ifdef LABS
 check: grade
