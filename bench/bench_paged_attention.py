@@ -62,6 +62,7 @@ def main():
         ("decode, 16 seqs x 512 tokens", [512] * 16, [1] * 16),
         ("decode, 16 seqs of 64..1024 tokens", list(range(64, 1025, 64)), [1] * 16),
         ("prefill over a 256-token cached prefix, 4 x 128 new", [384] * 4, [128] * 4),
+        ("mixed: one 256-token prefill + 15 decodes of 512", [256] + [512] * 15, [256] + [1] * 15),
     ]
     print(f"{'case':<52} | paged torch | SDPA contiguous | ratio")
     for name, k_lens, q_lens in cases:
