@@ -167,6 +167,8 @@ def test_decode_accepts_numpy_and_torch_ids(tok):
 
     ids = tok.encode("tensors of ids")
     assert tok.decode(np.array(ids)) == tok.decode(torch.tensor(ids)) == "tensors of ids"
+    stream = IncrementalDetokenizer(tok)
+    assert "".join(stream.push(i) for i in np.array(ids)) + stream.flush() == "tensors of ids"
 
 
 def test_streaming_one_id_at_a_time_holds_back_partial_characters(tok):
