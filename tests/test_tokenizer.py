@@ -203,6 +203,14 @@ def test_bad_input_gets_a_clear_error(tok, call, error, words):
         call(tok)
 
 
+def test_constructor_rejects_merges_outside_the_vocabulary():
+    vocab = [bytes([b]) for b in range(256)]
+    with pytest.raises(ValueError, match="merge 0 300 is outside the vocabulary"):
+        Tokenizer(vocab, [(97, 300)])
+    with pytest.raises(ValueError, match="makes a token that is not in the vocab"):
+        Tokenizer(vocab, [(97, 98)])
+
+
 def test_load_rejects_a_file_of_another_format(tmp_path):
     path = tmp_path / "x.json"
     path.write_text('{"model": {}}')
