@@ -34,8 +34,16 @@ def normalize_outputs(nb: nbformat.NotebookNode) -> None:
         if cell.cell_type != "code":
             continue
         cell.metadata.pop("execution", None)
+        merged = []  # the kernel may split one print into several stream chunks, differently each run
         for output in cell.get("outputs", []):
             output.get("data", {}).pop(WIDGET_VIEW, None)
+            previous = merged[-1] if merged else None
+            if (output.output_type == "stream" and previous is not None
+                    and previous.output_type == "stream" and previous.name == output.name):
+                previous.text += output.text
+            else:
+                merged.append(output)
+        cell.outputs = merged
     nb.metadata.pop("widgets", None)
 
 
