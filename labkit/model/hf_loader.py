@@ -1,0 +1,45 @@
+"""Read a Hugging Face model folder: config.json plus one or several *.safetensors files.
+
+Sharded checkpoints list their files in model.safetensors.index.json; a single-file checkpoint is
+model.safetensors. Parameter names lose their "model." prefix to match labkit's DecoderModel.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from labkit.model.config import ModelConfig
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} in {folder} lists shards that are missing: {missing}")
+        return [folder / name for name in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder} (PyTorch .bin files are not supported)")
+    return files
+
+
+def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and weights (labkit names, checkpoint dtype) of a Llama or Qwen3 folder."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: it has no config.json")
+    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    state_dict = {}
+    for file in _safetensors_files(folder):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                if name in state_dict:
+                    raise ValueError(f"{file.name}: tensor {key} appears in more than one shard")
+                state_dict[name] = f.get_tensor(key)
+    return config, state_dict
