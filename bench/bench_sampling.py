@@ -11,6 +11,7 @@ import time
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from labkit.device import describe_device, pick_device
 from labkit.sampling import Sampler, SamplingMetadata, SamplingParams
 
 BATCH, VOCAB, REPEATS = 32, 49_152, 10
@@ -23,31 +24,35 @@ def per_row_loop(logits, params):
         scores = row[None]
         for warper in (TemperatureLogitsWarper(p.temperature), TopKLogitsWarper(p.top_k), TopPLogitsWarper(p.top_p)):
             scores = warper(None, scores)
-        generator = torch.Generator().manual_seed(p.seed)
+        generator = torch.Generator(device=logits.device).manual_seed(p.seed)
         tokens.append(int(torch.multinomial(scores.softmax(-1), 1, generator=generator)))
     return tokens
 
 
-def median_ms(fn):
+def median_ms(fn, device):
     fn()  # warm-up
     times = []
     for _ in range(REPEATS):
         start = time.perf_counter()
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
 
 def main():
+    device = pick_device()
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(BATCH, VOCAB, generator=g) * 3
+    logits = (torch.randn(BATCH, VOCAB, generator=g) * 3).to(device)
     params = [SamplingParams(temperature=0.5 + (i % 4) / 4, top_k=20 + i, top_p=0.8 + (i % 3) / 20, seed=i)
               for i in range(BATCH)]
     sampler = Sampler()
-    batched = median_ms(lambda: sampler(logits, SamplingMetadata.from_requests(params, [[]] * BATCH, [[]] * BATCH)))
-    looped = median_ms(lambda: per_row_loop(logits, params))
-    print(f"sampling {BATCH} rows x {VOCAB} vocab, per-row temperature/top-k/top-p/seed, "
-          f"{torch.get_num_threads()} threads")
+    step = lambda: sampler(logits, SamplingMetadata.from_requests(params, [[]] * BATCH, [[]] * BATCH, device))
+    batched = median_ms(step, device)
+    looped = median_ms(lambda: per_row_loop(logits, params), device)
+    print(f"sampling {BATCH} rows x {VOCAB} vocab, per-row temperature/top-k/top-p/seed, on "
+          f"{describe_device(device)} ({torch.get_num_threads()} CPU threads)")
     print(f"  labkit Sampler (batched):         {batched:8.2f} ms/step")
     print(f"  per-row loop (transformers warpers): {looped:8.2f} ms/step")
     print(f"  speed-up: {looped / batched:.2f}x")
