@@ -24,6 +24,7 @@ help:
 	@echo "make check LABS=<dir>    grade a student's filled-in notebooks (table + $(REPORT))"
 	@echo "make notebooks           regenerate notebooks/ from solutions/"
 	@echo "make execute             re-run solutions/ in place (stored outputs), then make notebooks"
+	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"
 	@echo "make bench               speed figures against reference libraries"
 
 setup: $(STAMP)
@@ -43,7 +44,7 @@ notebooks: setup
 	$(BIN)/python -m labkit.grading notebooks
 
 execute: setup
-	$(BIN)/python -m labkit.grading execute solutions/*.ipynb
+	$(BIN)/python -m labkit.grading execute $(if $(REFRESH),--refresh) $(or $(NB),solutions/*.ipynb)
 	$(BIN)/python -m labkit.grading notebooks
 
 test: setup
