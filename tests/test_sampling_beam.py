@@ -110,17 +110,17 @@ def hf_scorer(model):
 
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-CASES = [  # prompt, num_beams, max_new_tokens, length_penalty, early_stopping
-    ("The capital of France is", 3, 8, 1.0, False),
-    (CHAT.format("Say hello in one word."), 3, 10, 1.0, True),
-    (CHAT.format("What is 2+2? Answer with a number."), 4, 10, 2.0, "never"),
-    (CHAT.format("Name a color."), 2, 8, 0.0, False),
+CASES = [  # prompt, num_beams, max_new_tokens, length_penalty, early_stopping, a hypothesis must end with EOS
+    ("The capital of France is", 3, 8, 1.0, False, False),
+    (CHAT.format("Is the sky blue? Answer yes or no."), 3, 8, 1.0, True, True),
+    (CHAT.format("What is 2+2? Answer with a number."), 4, 10, 2.0, "never", False),
+    (CHAT.format("What is 2+2?"), 2, 8, 0.0, False, False),
 ]
 
 
-@pytest.mark.parametrize(("prompt", "num_beams", "max_new_tokens", "length_penalty", "early_stopping"), CASES)
+@pytest.mark.parametrize(("prompt", "num_beams", "max_new_tokens", "length_penalty", "early_stopping", "eos"), CASES)
 def test_equals_transformers_generate_on_smollm2(smollm2, prompt, num_beams, max_new_tokens, length_penalty,
-                                                 early_stopping):
+                                                 early_stopping, eos):
     model, tokenizer = smollm2
     prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -137,6 +137,6 @@ def test_equals_transformers_generate_on_smollm2(smollm2, prompt, num_beams, max
                          length_penalty=length_penalty, eos_token_id=tokenizer.eos_token_id,
                          early_stopping=early_stopping)
     assert [h.token_ids for h in result.hypotheses] == expected_ids
-    if prompt.startswith("<|im_start|>"):  # the chat answers are short: hypotheses end with EOS, not the limit
+    if eos:  # this case exercises finishing by EOS, not only by the length limit
         assert any(h.token_ids[-1] == tokenizer.eos_token_id for h in result.hypotheses)
     assert torch.allclose(torch.tensor([h.score for h in result.hypotheses]), expected.sequences_scores, atol=1e-4)

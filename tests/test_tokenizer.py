@@ -85,6 +85,29 @@ def test_patterns_cover_text_exactly(pattern):
     assert "".join(pretokenize(text, pattern)) == text
 
 
+# Characters assigned in Python's Unicode database (14.0). `regex` follows a newer Unicode than
+# `tokenizers`' Oniguruma (which knows 16.0), so only characters assigned after 16.0 are classified differently.
+_ASSIGNED = st.characters(codec="utf-8", exclude_categories=("Cs", "Cn"))
+
+
+def _tokenizers_pieces(pattern_name: str, text: str) -> list[str]:
+    """The same pattern run by `tokenizers` (Rust, Oniguruma); SmolLM2 as its two real steps."""
+    from tokenizers import Regex, pre_tokenizers
+
+    gpt_pattern = PATTERNS["gpt4" if pattern_name == "gpt4" else "gpt2"]
+    steps = [pre_tokenizers.Split(Regex(gpt_pattern), behavior="isolated")]
+    if pattern_name == "smollm2":
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    return [piece for piece, _ in pre_tokenizers.Sequence(steps).pre_tokenize_str(text)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(PATTERNS)),
+       st.text(st.one_of(st.sampled_from(" \t\n\r1234'sStTdD!?.,é½²\u00a0\u3000"), _ASSIGNED), max_size=25))
+def test_patterns_cut_text_as_tokenizers_does(pattern, text):
+    assert pretokenize(text, pattern) == _tokenizers_pieces(pattern, text)
+
+
 def test_gpt4_pattern_groups_digits_by_three_and_smollm2_splits_them():
     assert pretokenize("12345", "gpt4") == ["123", "45"]
     assert pretokenize("12345", "smollm2") == list("12345")
@@ -138,6 +161,16 @@ def test_streaming_never_emits_broken_utf8(tok, text, cuts):
     assert all("\ufffd" not in piece for piece in pieces) or "\ufffd" in text
 
 
+def test_decode_accepts_numpy_and_torch_ids(tok):
+    import numpy as np
+    import torch
+
+    ids = tok.encode("tensors of ids")
+    assert tok.decode(np.array(ids)) == tok.decode(torch.tensor(ids)) == "tensors of ids"
+    stream = IncrementalDetokenizer(tok)
+    assert "".join(stream.push(i) for i in np.array(ids)) + stream.flush() == "tensors of ids"
+
+
 def test_streaming_one_id_at_a_time_holds_back_partial_characters(tok):
     text = "€🙂"
     stream = IncrementalDetokenizer(tok)
@@ -151,6 +184,7 @@ def test_streaming_one_id_at_a_time_holds_back_partial_characters(tok):
 @pytest.mark.parametrize("call, error, words", [
     (lambda t: t.encode(b"bytes"), TypeError, "text must be a str"),
     (lambda t: t.encode(None), TypeError, "text must be a str"),
+    (lambda t: t.encode("lone \ud800 surrogate"), UnicodeEncodeError, "surrogates not allowed"),
     (lambda t: t.decode([1, 10**6]), ValueError, "token id 1000000 is outside the vocabulary"),
     (lambda t: t.decode([-1]), ValueError, "token id -1 is outside"),
     (lambda t: t.decode(["a"]), TypeError, "token id must be an int"),
@@ -167,6 +201,14 @@ def test_streaming_one_id_at_a_time_holds_back_partial_characters(tok):
 def test_bad_input_gets_a_clear_error(tok, call, error, words):
     with pytest.raises(error, match=regex.escape(words)):
         call(tok)
+
+
+def test_constructor_rejects_merges_outside_the_vocabulary():
+    vocab = [bytes([b]) for b in range(256)]
+    with pytest.raises(ValueError, match="merge 0 300 is outside the vocabulary"):
+        Tokenizer(vocab, [(97, 300)])
+    with pytest.raises(ValueError, match="makes a token that is not in the vocab"):
+        Tokenizer(vocab, [(97, 98)])
 
 
 def test_load_rejects_a_file_of_another_format(tmp_path):

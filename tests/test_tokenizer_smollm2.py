@@ -22,6 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 JARGON_PATH = Path(__file__).resolve().parent.parent / "datasets" / "jargon_file_4.4.7.txt"
 JARGON = JARGON_PATH.read_text(encoding="utf-8")
+# Characters Python's Unicode database (14.0) assigns: `tokenizers`' regex engine knows Unicode 16.0 and
+# ours a newer one, so letters assigned after 16.0 may be cut differently (see labkit/tokenizer/pretokenize.py).
+ASSIGNED = st.characters(exclude_categories=("Cs", "Cn"))
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<empty_output>"]
 
 CORPUS = [
@@ -108,7 +111,7 @@ def test_the_one_known_difference_from_transformers(labkit_tok, hf_gguf):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(st.text(max_size=12), st.sampled_from(SPECIALS)), max_size=6).map("".join))
+@given(st.lists(st.one_of(st.text(ASSIGNED, max_size=12), st.sampled_from(SPECIALS)), max_size=6).map("".join))
 def test_any_text_matches_smollm2(labkit_tok, hf_true, text):
     assert labkit_tok.encode(text) == hf_true.encode(text, add_special_tokens=False).ids
     if not set(text.encode()) & set(labkit_tok.missing_bytes):

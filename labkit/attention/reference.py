@@ -112,9 +112,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_seqlen_k: int) -> torch.Tensor:
     """Varlen causal attention over paged KV: prefill, prefill over a cached prefix, chunked prefill
     and decode (Lq = 1) in one batch. q [T, H, D]; caches [N, block_size, Hkv, D], already holding
-    the new tokens' K/V; block_tables [B, M]. Vectorized: one gather, one padded attention."""
-    seq_index, pos = _flat_to_padded_index(cu_seqlens_q)
+    the new tokens' K/V; block_tables [B, M]. Vectorized: one gather, one padded attention; a batch
+    mixing decodes with longer queries runs as two such groups, so decode rows are not padded to
+    the longest prompt."""
     q_lens, k_lens = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    is_decode = q_lens == 1
+    if bool(is_decode.any()) and not bool(is_decode.all()):
+        seq_index, _ = _flat_to_padded_index(cu_seqlens_q)
+        out = torch.empty_like(q)
+        for group in (is_decode, ~is_decode):
+            tokens = group[seq_index]
+            cu_q = torch.nn.functional.pad(q_lens[group].cumsum(0), (1, 0))
+            cu_k = torch.nn.functional.pad(k_lens[group].cumsum(0), (1, 0))
+            out[tokens] = paged_attention(q[tokens], k_cache, v_cache, block_tables[group], cu_q, cu_k,
+                                          int(q_lens[group].max()), int(k_lens[group].max()))
+        return out
+    seq_index, pos = _flat_to_padded_index(cu_seqlens_q)
     q_pad = q.new_zeros(q_lens.numel(), max_seqlen_q, *q.shape[1:]).index_put_((seq_index, pos), q)
     k_pad = gather_kv(k_cache, block_tables, max_seqlen_k)
     v_pad = gather_kv(v_cache, block_tables, max_seqlen_k)

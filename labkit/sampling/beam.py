@@ -105,14 +105,15 @@ def beam_search(
         ends = [last_step or token in eos_ids for token in tokens]
         scores = top_sums / generated_length**length_penalty
 
-        statuses = []
+        statuses, kept = [], 0
         for rank, (parent, token, ended) in enumerate(zip(parents, tokens, ends, strict=True)):
             if ended and rank < num_beams:
                 sequence = running[parent] + (token,)
                 finished.append(BeamHypothesis(sequence, top_sums[rank].item(), scores[rank].item()))
                 statuses.append("finished")
-            elif not ended and statuses.count("running") < num_beams:
+            elif not ended and kept < num_beams:
                 statuses.append("running")
+                kept += 1
             else:
                 statuses.append("dropped")
         finished = sorted(finished, key=lambda h: -h.score)[:num_beams]  # stable: older wins a tie

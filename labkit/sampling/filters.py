@@ -31,8 +31,10 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Keep the top_k largest logits of each row (and any tied with the k-th); top_k <= 0 keeps all."""
     vocab_size = logits.shape[-1]
     enabled = top_k > 0
-    k = top_k.clamp(1, vocab_size).to(torch.long)
-    kth_largest = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+    k = torch.where(enabled, top_k, 1).clamp(max=vocab_size).to(torch.long)
+    # One topk for the largest k in the batch (cheaper than sorting the vocabulary), then each row's k-th.
+    largest = logits.topk(int(k.max()), dim=-1).values
+    kth_largest = largest.gather(-1, (k - 1).unsqueeze(-1))
     remove = (logits < kth_largest) & enabled.unsqueeze(-1)
     return logits.masked_fill(remove, NEG_INF)
 

@@ -2,6 +2,9 @@
 
 BPE runs inside each piece, so a pattern decides which tokens can exist at all: with the
 GPT-2 pattern no token spans a letter/digit boundary or swallows the space after a word.
+
+The `regex` module follows a newer Unicode version than `tokenizers`' Oniguruma (16.0), so the two
+can cut text differently only around characters assigned after Unicode 16.0.
 """
 
 import regex

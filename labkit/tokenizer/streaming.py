@@ -6,6 +6,7 @@ decoder holds back an incomplete tail until the next token completes it.
 """
 
 import codecs
+import numbers
 from collections.abc import Iterable
 
 
@@ -22,7 +23,7 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         """Add one id or several; return the newly completed text (possibly '')."""
-        ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        ids = [token_ids] if isinstance(token_ids, numbers.Integral) else token_ids
         data = self.tokenizer.decode_bytes(ids, skip_special_tokens=self.skip_special_tokens)
         return self._utf8.decode(data)
 

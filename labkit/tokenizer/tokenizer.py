@@ -57,6 +57,7 @@ class Tokenizer:
         self.merges = [tuple(pair) for pair in merges]
         self._merge_ranks: dict[Pair, tuple[int, int]] = {}
         for rank, (first, second) in enumerate(self.merges):
+            first, second = self._check_id(first, f"merge {rank}"), self._check_id(second, f"merge {rank}")
             merged = ids_by_bytes.get(self.vocab[first] + self.vocab[second])
             if merged is None:
                 raise ValueError(f"merge {rank} {(first, second)} makes a token that is not in the vocab")
