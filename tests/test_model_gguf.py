@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from labkit.model import load_model
+from labkit.model import load_config, load_model
 from labkit.model.gguf_loader import unpermute_rotary_rows
 
 Q = gguf.GGMLQuantizationType
@@ -98,6 +98,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 def test_logits_match_transformers_on_the_dequantized_weights(hf_state, tiny_gguf):
     model = load_model(tiny_gguf, device="cpu")
     assert model.config.tie_word_embeddings and model.config.architecture == "llama"
+    assert load_config(tiny_gguf) == model.config
     # the oracle: transformers with every matrix replaced by dequantize(quantize(w)), in HF row order
     oracle = LlamaForCausalLM(LlamaConfig(**CFG)).eval()
     dequantized = {k: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(v.numpy(), Q.Q8_0), Q.Q8_0))

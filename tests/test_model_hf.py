@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from labkit.attention.dense import dense_attention
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache import KVCache, PreallocatedKVCache
-from labkit.model import generate, load_model
+from labkit.model import generate, load_config, load_model
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -62,6 +62,7 @@ def test_config_is_read_from_config_json(pair):
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
     assert (model.lm_head.weight is model.embed_tokens.weight) == c.tie_word_embeddings
     assert c.qk_norm == (c.architecture == "qwen3")
+    assert load_config(pair[2]) == c
 
 
 @pytest.mark.parametrize("ids", PROMPTS)

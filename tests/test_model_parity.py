@@ -31,6 +31,8 @@ def smollm2():
     weights = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
     missing = hf.load_state_dict(weights, strict=False).missing_keys
     assert missing == ["lm_head.weight"]  # tied to the embedding, as labkit's
+    hf.tie_weights()
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     return tokenizer, hf, load_model("smollm2", device="cpu")
 
 
@@ -40,6 +42,7 @@ def test_config_matches_the_published_architecture(smollm2):
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) == (30, 9, 3, 64, 576)
     assert (c.vocab_size, c.intermediate_size, c.rope_theta, c.tie_word_embeddings) == (49152, 1536, 1e5, True)
     assert (c.bos_token_id, c.eos_token_id) == (hf.config.bos_token_id, hf.config.eos_token_id)
+    assert c.kv_cache_bytes_per_token(dtype_bytes=2) == 22.5 * 1024  # Lab 02's SmolLM2 row
     assert model.dtype == torch.float32 and not any(p.requires_grad for p in model.parameters())
 
 

@@ -8,12 +8,12 @@ from labkit.device import pick_device
 from labkit.model.config import ModelConfig, RopeScaling
 from labkit.model.decoder import DecoderModel
 from labkit.model.generate import generate
-from labkit.model.gguf_loader import load_gguf
-from labkit.model.hf_loader import load_hf_folder
+from labkit.model.gguf_loader import load_gguf, read_gguf_config
+from labkit.model.hf_loader import load_hf_folder, read_hf_config
 from labkit.registry import resolve_model_path
 
-__all__ = ["DecoderModel", "ModelConfig", "RopeScaling", "generate", "load_model", "load_gguf",
-           "load_hf_folder", "default_dtype"]
+__all__ = ["DecoderModel", "ModelConfig", "RopeScaling", "default_dtype", "generate", "load_config", "load_gguf",
+           "load_hf_folder", "load_model"]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -21,6 +21,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     if device.type != "cuda":
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load_config(name_or_path: str | Path = "smollm2") -> ModelConfig:
+    """The architecture numbers of a model, without loading its weights."""
+    path = resolve_model_path(name_or_path)
+    return read_hf_config(path) if path.is_dir() else read_gguf_config(path)
 
 
 def load_model(name_or_path: str | Path = "smollm2", device: torch.device | str | None = None,

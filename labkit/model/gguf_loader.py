@@ -104,15 +104,24 @@ def _labkit_name(gguf_name: str, path: Path) -> str:
     raise ValueError(f"{path.name}: unexpected tensor {gguf_name!r}")
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and the dequantized fp32 weights (labkit names, [out, in] layout) of a GGUF file."""
-    path = Path(path)
+def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except (ValueError, OSError) as err:
         raise ValueError(f"{path.name} is not a readable GGUF file: {err}") from err
+
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """Only the architecture numbers of a GGUF file (no weights are dequantized)."""
+    return config_from_gguf(_open(Path(path)), Path(path))
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and the dequantized fp32 weights (labkit names, [out, in] layout) of a GGUF file."""
+    path = Path(path)
+    reader = _open(path)
     config = config_from_gguf(reader, path)
     state_dict = {}
     for tensor in reader.tensors:

@@ -27,13 +27,18 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def read_hf_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder, from its config.json."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: it has no config.json")
+    return ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+
+
 def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and weights (labkit names, checkpoint dtype) of a Llama or Qwen3 folder."""
     folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: it has no config.json")
-    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    config = read_hf_config(folder)
     state_dict = {}
     for file in _safetensors_files(folder):
         with safe_open(file, framework="pt") as f:
