@@ -94,3 +94,22 @@ def test_wiring_finds_graders_without_check_cells_and_check_cells_without_grader
     problems = wiring_problems(tmp_path)
     assert "grader 00/softmax has no check cell in its notebook" in problems
     assert "check cell 00/unknown_exercise has no grader" in problems
+
+
+def test_execute_is_reproducible_and_keeps_machine_dependent_outputs(tmp_path):
+    from labkit.grading.execute import execute_in_place
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("for i in range(3):\n    print(i, flush=True)"),
+                nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\nimport time\nprint(time.time_ns())")]
+    path = tmp_path / "01_x.ipynb"
+    nbformat.write(nb, path)
+    execute_in_place(path)
+    first = path.read_text()
+    stored = nbformat.read(path, 4)
+    assert stored.cells[0].outputs[0].text == "0\n1\n2\n", "stream chunks are merged into one output"
+    assert "execution" not in stored.cells[0].metadata
+    execute_in_place(path)
+    assert path.read_text() == first
+    execute_in_place(path, refresh_machine_dependent=True)
+    assert path.read_text() != first

@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     nbs.add_argument("--check", action="store_true", help="only report notebooks that differ")
     run = commands.add_parser("execute", help="re-execute notebooks in place")
     run.add_argument("paths", type=Path, nargs="+")
+    run.add_argument("--refresh", action="store_true",
+                     help="also re-record outputs of # NBVAL_IGNORE_OUTPUT cells (timings)")
     grade = commands.add_parser("grade", help="grade a folder of filled-in notebooks")
     grade.add_argument("folder", type=Path)
     grade.add_argument("--report", type=Path, default=Path("reports/grades.json"))
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for path in args.paths:
             print(f"executing {path}", flush=True)
-            execute_in_place(path)
+            execute_in_place(path, refresh_machine_dependent=args.refresh)
         return 0
     if args.command == "grade":
         from labkit.grading.report import format_table, grade_folder, write_json

@@ -1,7 +1,10 @@
 """Run notebooks in a Jupyter kernel, the same way for `make execute` and for grading.
 
 Stored outputs must be reproducible byte for byte: no timing metadata, no widget state, and
-widget views (whose model ids are random) reduced to their text form.
+widget views (whose model ids are random) reduced to their text form. Cells marked
+`# NBVAL_IGNORE_OUTPUT` show timings or machine-dependent figures; re-executing keeps their stored
+outputs while their source is unchanged (so `make execute` twice leaves no diff), unless asked
+to refresh them.
 """
 
 import os
@@ -12,6 +15,7 @@ from nbclient import NotebookClient
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 CELL_TIMEOUT_S = 900
+MACHINE_DEPENDENT = "# NBVAL_IGNORE_OUTPUT"
 
 
 def _client(nb: nbformat.NotebookNode, cwd: Path, allow_errors: bool) -> NotebookClient:
@@ -47,11 +51,20 @@ def normalize_outputs(nb: nbformat.NotebookNode) -> None:
     nb.metadata.pop("widgets", None)
 
 
-def execute_in_place(path: Path) -> None:
+def execute_in_place(path: Path, refresh_machine_dependent: bool = False) -> None:
     """Re-run a solution notebook top to bottom and store its outputs (any error stops it)."""
     nb = nbformat.read(path, as_version=nbformat.NO_CONVERT)
+    kept = {
+        cell.source: cell.outputs
+        for cell in nb.cells
+        if cell.cell_type == "code" and cell.source.startswith(MACHINE_DEPENDENT) and cell.outputs
+    }
     _client(nb, path.parent, allow_errors=False).execute()
     normalize_outputs(nb)
+    if not refresh_machine_dependent:
+        for cell in nb.cells:
+            if cell.cell_type == "code" and cell.source in kept:
+                cell.outputs = kept[cell.source]
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
 
 

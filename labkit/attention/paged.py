@@ -1,0 +1,73 @@
+"""PagedAttentionBackend: the `AttentionBackend` the model calls per layer, over paged KV storage.
+
+Per call it (1) stores the step's new K/V into the slots `meta.slot_mapping` names (-1: skip), then
+(2) attends causally over each sequence's whole context through `meta.block_tables`. Two
+implementations of the same contract:
+
+- "torch": `labkit.attention.reference` (a vectorized gather plus one padded attention per layer),
+  the default on CPU;
+- "triton": `labkit.attention.triton_kernels`, the default on CUDA; on a CPU it runs only under
+  the Triton interpreter (TRITON_INTERPRET=1 set before triton is first imported), which is slow
+  and meant for tests and the lab.
+
+A step with no block tables (`meta.block_tables is None`) has nothing cached: every sequence
+attends over its own new tokens (`cu_seqlens_k` must equal `cu_seqlens_q`). The same shortcut
+is taken by the torch backend whenever a batch has no cached prefix, which skips the gather.
+"""
+
+import os
+
+import torch
+
+from labkit.attention import reference
+from labkit.attention.metadata import AttentionMetadata
+from labkit.cache.paged_storage import PagedKVStorage, store_kv
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA, "torch" elsewhere; "triton" on CPU needs the interpreter."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend='triton' on a CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+            "triton is imported, or use backend='torch'"
+        )
+    return backend
+
+
+class PagedAttentionBackend:
+    def __init__(self, storage: PagedKVStorage, backend: str = "auto"):
+        self.storage = storage
+        self.backend = resolve_backend(backend, storage.device)
+        if self.backend == "triton":
+            from labkit.attention import triton_kernels
+
+            self._store, self._kernels = triton_kernels.store_kvcache, triton_kernels
+        else:
+            self._store, self._kernels = store_kv, None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        if q.shape[0] != k.shape[0] or k.shape != v.shape:
+            raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need one row per token")
+        k_cache, v_cache = self.storage.layer(layer)
+        if meta.slot_mapping is not None:
+            self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        # torch.equal reads the tensors back to the host, so the Triton path (which CUDA graphs capture) avoids it.
+        if meta.block_tables is None:
+            if not torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k):
+                raise ValueError("meta.block_tables is None but cu_seqlens_k differs from cu_seqlens_q: "
+                                 "a step over cached tokens needs block tables")
+            return reference.varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
+        if self._kernels is not None:
+            return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                                 meta.cu_seqlens_k, meta.max_seqlen_q)
+        if torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k):  # all keys are new tokens: no gather needed
+            return reference.varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
+        return reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                         meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)

@@ -1,0 +1,334 @@
+"""The BlockManager: which physical KV-cache blocks each sequence owns, with prefix caching.
+
+A pool of `num_blocks` fixed-size blocks, each holding the K/V of `block_size` consecutive tokens.
+A sequence's `block_table` lists its blocks in order (see `sequence_blocks.py` for the four
+attributes read and written here). Blocks are shared between sequences with the same prefix:
+
+- every full block whose K/V has been computed gets a *chained* hash, hash(previous block's hash,
+  this block's tokens), so equal hashes mean equal whole prefixes, not just equal blocks;
+- `hash_to_block` maps such hashes to block ids; a lookup is a hit only if the block's stored
+  tokens equal the ones asked for (the token check), and hits stop at the first miss;
+- a freed block keeps its hash and K/V and waits in an LRU list; it is revived by a later hit, or
+  evicted (its hash entry removed, so no stale entry survives) when a fresh block is needed and no
+  never-cached block is free;
+- a prompt never hits on its own last token: the model must compute at least one token to produce
+  logits, so the block holding the last prompt token is always computed, never shared.
+
+Errors: `KVCacheExhausted` when the pool cannot satisfy a request, `ValueError` for calls made in
+the wrong order (allocate twice, append before allocate, free twice, ...). Nothing is asserted.
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from labkit.cache.sequence_blocks import SequenceBlocks
+
+
+class KVCacheExhausted(RuntimeError):
+    """The block pool has too few free blocks for the request."""
+
+
+def hash_block(prev_hash: int | None, token_ids) -> int:
+    """Chained hash of one full block: covers the block's tokens and (through prev_hash) its prefix.
+
+    128-bit BLAKE2b, so two different prefixes colliding is not a practical concern; the token
+    check on a hit guards the block's own tokens in any case.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and its K/V computed
+    token_ids: tuple[int, ...] | None = None  # the tokens behind `hash`, for the token check
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0  # prompt tokens looked up by allocate
+    hit_tokens: int = 0  # of those, tokens whose K/V was found in the cache
+    evictions: int = 0  # cached blocks reused for new content
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class BlockStorage(Protocol):
+    """Where swap_out / swap_in copy a sequence's K/V (PagedKVStorage implements it)."""
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None: ...
+
+
+@dataclass
+class _SwappedKV:
+    data: torch.Tensor  # a CPU copy of the sequence's blocks, as read_blocks returned it
+    num_blocks: int
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        self._free_uncached: deque[int] = deque(range(num_blocks))  # hold nothing reusable
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # hold a cached prefix; LRU first
+        self._swapped: dict[object, _SwappedKV] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (evicted last, least recently freed first)."""
+        return len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def is_swapped(self, seq: SequenceBlocks) -> bool:
+        return seq.seq_id in self._swapped
+
+    def prefix_hits(self, token_ids: list[int]) -> list[Block]:
+        """The cached blocks a prompt can reuse: full blocks from the start, stopping at the first miss.
+
+        Only blocks that lie wholly before the last token count, so at least one token is left
+        to compute (the logits of the last prompt token are what the step is for).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[Block] = []
+        prev = None
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(prev, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(self.blocks[block_id])
+            prev = h
+        return hits
+
+    def _blocks_to_take(self, token_ids: list[int], hits: list[Block]) -> int:
+        """Free blocks that allocating these tokens consumes (hits on free cached blocks included)."""
+        return self.blocks_needed(len(token_ids)) - sum(b.ref_count > 0 for b in hits)
+
+    # ---- prefill -------------------------------------------------------------------------
+    def can_allocate(self, seq: SequenceBlocks) -> bool:
+        hits = self.prefix_hits(seq.token_ids)
+        return self._blocks_to_take(seq.token_ids, hits) <= self.num_free_blocks
+
+    def allocate(self, seq: SequenceBlocks) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
+
+        Sets `seq.block_table` and `seq.num_cached_tokens` (the prefix hit, a multiple of block_size).
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id!r} already holds blocks; deallocate it first")
+        if seq.seq_id in self._swapped:
+            raise ValueError(f"sequence {seq.seq_id!r} is swapped out; use swap_in, not allocate")
+        if not seq.token_ids:
+            raise ValueError(f"sequence {seq.seq_id!r} has no tokens to allocate blocks for")
+        hits = self.prefix_hits(seq.token_ids)
+        need = self._blocks_to_take(seq.token_ids, hits)
+        if need > self.num_free_blocks:
+            raise KVCacheExhausted(
+                f"sequence {seq.seq_id!r} ({len(seq.token_ids)} tokens) needs {need} free blocks, "
+                f"{self.num_free_blocks} of {self.num_blocks} are free"
+            )
+        table = []
+        for block in hits:
+            if block.ref_count == 0:
+                del self._free_cached[block.block_id]  # revive a freed block that kept its prefix
+            block.ref_count += 1
+            table.append(block.block_id)
+        for _ in range(self.blocks_needed(len(seq.token_ids)) - len(hits)):
+            table.append(self._take_free_block())
+        seq.block_table = table
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.stats.queried_tokens += len(seq.token_ids)
+        self.stats.hit_tokens += seq.num_cached_tokens
+
+    # ---- decode --------------------------------------------------------------------------
+    def _missing_blocks(self, seq: SequenceBlocks) -> int:
+        if not seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id!r} holds no blocks; allocate (or swap_in) it first")
+        missing = self.blocks_needed(len(seq.token_ids)) - len(seq.block_table)
+        if missing < 0:
+            raise ValueError(
+                f"sequence {seq.seq_id!r} has {len(seq.token_ids)} tokens but {len(seq.block_table)} "
+                "blocks: tokens were removed after allocation"
+            )
+        return missing
+
+    def can_append(self, seq: SequenceBlocks) -> bool:
+        return self._missing_blocks(seq) <= self.num_free_blocks
+
+    def append(self, seq: SequenceBlocks) -> None:
+        """After tokens were appended to `seq`: add blocks for them and cache newly computed full blocks."""
+        missing = self._missing_blocks(seq)
+        if missing > self.num_free_blocks:
+            raise KVCacheExhausted(
+                f"sequence {seq.seq_id!r} needs {missing} more block(s), {self.num_free_blocks} are free"
+            )
+        self.cache_computed_blocks(seq)
+        seq.block_table.extend(self._take_free_block() for _ in range(missing))
+
+    def cache_computed_blocks(self, seq: SequenceBlocks) -> None:
+        """Give every full block whose K/V is computed (below seq.num_cached_tokens) its chained hash.
+
+        Called by append, deallocate and swap_out; the engine may call it after any step. The
+        blocks of a sequence that carry a hash always form a prefix of its table, so the work
+        starts after the last one that has it.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, seq.block_table
+        num_full = min(seq.num_cached_tokens, len(seq.token_ids)) // bs
+        num_full = min(num_full, len(table))
+        start = num_full
+        while start > 0 and self.blocks[table[start - 1]].hash is None:
+            start -= 1
+        prev = self.blocks[table[start - 1]].hash if start > 0 else None
+        for i in range(start, num_full):
+            block = self.blocks[table[i]]
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block.hash, block.token_ids = hash_block(prev, tokens), tokens
+            self.hash_to_block.setdefault(block.hash, block.block_id)  # an equal block may already be cached
+            prev = block.hash
+
+    # ---- release ---------------------------------------------------------------------------
+    def deallocate(self, seq: SequenceBlocks) -> None:
+        """Free everything a sequence holds (finish, abort, preemption by recomputation).
+
+        Shared blocks only lose one reference. Computed full blocks stay cached after the free,
+        so a preempted or repeated prompt hits them later. Also drops a swapped-out CPU copy.
+        """
+        swapped = self._swapped.pop(seq.seq_id, None)
+        if not seq.block_table and swapped is None:
+            raise ValueError(f"sequence {seq.seq_id!r} holds no blocks (never allocated, or freed already)")
+        self._release_table(seq)
+        seq.num_cached_tokens = 0
+
+    def _release_table(self, seq: SequenceBlocks) -> None:
+        self.cache_computed_blocks(seq)
+        for block_id in reversed(seq.block_table):  # the tail first, so LRU evicts tails before heads
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                self._free_cached[block_id] = None
+            else:  # partial, not yet computed, or a duplicate of a block cached elsewhere
+                block.hash = block.token_ids = None
+                self._free_uncached.append(block_id)
+        seq.block_table = []
+
+    def _take_free_block(self) -> int:
+        if self._free_uncached:
+            block_id = self._free_uncached.popleft()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]  # no stale entry may point at reused content
+            block.hash = block.token_ids = None
+            self.stats.evictions += 1
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    # ---- swapping (seed 004's Swapped state) ---------------------------------------------------
+    def swap_out(self, seq: SequenceBlocks, storage: BlockStorage) -> None:
+        """Copy a running sequence's K/V to CPU memory and free its blocks; num_cached_tokens is kept."""
+        if not seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id!r} holds no blocks to swap out")
+        if seq.seq_id in self._swapped:
+            raise ValueError(f"sequence {seq.seq_id!r} is already swapped out")
+        data = storage.read_blocks(seq.block_table)
+        self._swapped[seq.seq_id] = _SwappedKV(data, len(seq.block_table))
+        self._release_table(seq)
+
+    def can_swap_in(self, seq: SequenceBlocks) -> bool:
+        swapped = self._swapped.get(seq.seq_id)
+        if swapped is None:
+            raise ValueError(f"sequence {seq.seq_id!r} is not swapped out")
+        return swapped.num_blocks <= self.num_free_blocks
+
+    def swap_in(self, seq: SequenceBlocks, storage: BlockStorage) -> None:
+        """Bring a swapped-out sequence back into fresh blocks, copying its K/V from CPU memory."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id!r} already holds blocks")
+        if not self.can_swap_in(seq):
+            raise KVCacheExhausted(
+                f"sequence {seq.seq_id!r} needs {self._swapped[seq.seq_id].num_blocks} free blocks to "
+                f"swap in, {self.num_free_blocks} are free"
+            )
+        swapped = self._swapped.pop(seq.seq_id)
+        seq.block_table = [self._take_free_block() for _ in range(swapped.num_blocks)]
+        storage.write_blocks(seq.block_table, swapped.data)
+
+    # ---- consistency -------------------------------------------------------------------------
+    def check_invariants(self, sequences=None) -> None:
+        """Raise RuntimeError naming the first broken invariant; with `sequences` (every live one),
+        also check that each block's reference count equals the number of tables listing it."""
+        free_uncached, free_cached = set(self._free_uncached), set(self._free_cached)
+        problems = []
+        if len(free_uncached) != len(self._free_uncached):
+            problems.append("a block is listed twice in the free pool")
+        if free_uncached & free_cached:
+            problems.append(f"blocks {sorted(free_uncached & free_cached)} are in both free lists")
+        for block in self.blocks:
+            free = block.block_id in free_uncached or block.block_id in free_cached
+            if block.ref_count < 0:
+                problems.append(f"block {block.block_id} has ref_count {block.ref_count}")
+            if free != (block.ref_count == 0):
+                problems.append(f"block {block.block_id}: ref_count {block.ref_count} but free={free}")
+            if block.block_id in free_uncached and block.hash is not None:
+                problems.append(f"free uncached block {block.block_id} still has a hash")
+            if block.block_id in free_cached and self.hash_to_block.get(block.hash) != block.block_id:
+                problems.append(f"free cached block {block.block_id} is not reachable from its hash")
+        for h, block_id in self.hash_to_block.items():
+            block = self.blocks[block_id]
+            if block.hash != h or block.token_ids is None:
+                problems.append(f"hash entry points at block {block_id}, which holds other content")
+        if sequences is not None:
+            counts = [0] * self.num_blocks
+            for seq in sequences:
+                if len(set(seq.block_table)) != len(seq.block_table):
+                    problems.append(f"sequence {seq.seq_id!r} lists a block twice")
+                for block_id in seq.block_table:
+                    counts[block_id] += 1
+            for block in self.blocks:
+                if counts[block.block_id] != block.ref_count:
+                    problems.append(
+                        f"block {block.block_id}: ref_count {block.ref_count}, "
+                        f"referenced by {counts[block.block_id]} tables"
+                    )
+        if problems:
+            raise RuntimeError("BlockManager invariant broken: " + "; ".join(problems[:5]))

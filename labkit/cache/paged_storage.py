@@ -1,0 +1,101 @@
+"""Paged KV storage: per layer, K and V as [num_blocks, block_size, num_kv_heads, head_dim].
+
+This is the nano-vLLM / vLLM v1 layout (seed 004): one token's K (or V) for all its KV heads is a
+contiguous row, and a *slot* `block_id * block_size + offset` addresses it in the flattened view
+[num_blocks * block_size, num_kv_heads, head_dim]. The BlockManager decides which blocks a sequence
+owns; this module only holds the tensors and turns block tables into slots.
+"""
+
+import torch
+
+
+def check_block_size(block_size: int) -> int:
+    if not isinstance(block_size, int) or block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 8, got {block_size!r}")
+    return block_size
+
+
+def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """KV-cache slots of token positions start..end-1 of a sequence with this block table."""
+    if not 0 <= start <= end <= len(block_table) * block_size:
+        raise ValueError(
+            f"positions {start}..{end} do not fit {len(block_table)} blocks of {block_size} tokens"
+        )
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def slots_for_positions(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
+                        block_size: int) -> torch.Tensor:
+    """Vectorized slot lookup: slot of token `positions[i]` of sequence `seq_index[i]`."""
+    blocks = block_tables[seq_index, positions // block_size].to(torch.int64)
+    return blocks * block_size + positions % block_size
+
+
+class PagedKVStorage:
+    """K and V block pools for every layer, in one tensor [2, num_layers, num_blocks, block_size, H, D]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.block_size = check_block_size(block_size)
+        self.num_layers, self.num_blocks = num_layers, num_blocks
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.kv = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @staticmethod
+    def bytes_per_block_per_layer(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim] (views)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in 0..{self.num_layers - 1}, got {layer}")
+        return self.kv[0, layer], self.kv[1, layer]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new tokens' K/V [T, H, D] into their slots; slot -1 means "do not store" (torch version)."""
+        k_cache, v_cache = self.layer(layer)
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A CPU copy of these blocks for all layers, K and V: [2, L, len(block_ids), block_size, H, D]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv.index_select(2, index).to("cpu", copy=True)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Copy `data` (as read_blocks returns it) into these blocks."""
+        expected = (*self.kv.shape[:2], len(block_ids), *self.kv.shape[3:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"data has shape {tuple(data.shape)}, expected {expected}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv.index_copy_(2, index, data.to(self.device, self.dtype))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter K/V rows [T, H, D] into caches [N, block_size, H, D] at `slot_mapping` [T]; -1 skips."""
+    if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0] or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} do not "
+            f"match a cache with rows {tuple(k_cache.shape[2:])}"
+        )
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)

@@ -1,0 +1,65 @@
+"""CUDA graphs for decode steps: replay one recorded kernel launch sequence instead of ~400 launches.
+
+A decode step of a small model on a GPU is dominated by launch overhead, not arithmetic. A CUDA
+graph records the whole forward pass for a fixed batch size once, over static input buffers; each
+step then copies its inputs into those buffers and replays. Steps with up to `max_num_seqs` decodes
+use the smallest recorded size that fits, padding the batch with rows that store nothing
+(slot -1) and attend to block 0 (their output is discarded).
+
+UNTESTED: this module only runs on CUDA and the course's development machine has no GPU. It is
+used only when the device is CUDA; if capturing fails the engine warns and runs eagerly.
+"""
+
+import torch
+
+from labkit.attention.metadata import AttentionMetadata
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int):
+        dev = model.device
+        self.model, self.backend = model, backend
+        self.sizes = sorted({1, 2, 4, 8} | set(range(16, max_num_seqs + 1, 16)) | {max_num_seqs})
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.cu_q = torch.arange(n + 1, dtype=torch.int64, device=dev)
+        self.cu_k = torch.arange(n + 1, dtype=torch.int64, device=dev)
+        self.max_model_len = max_model_len
+        self.graphs, self.logits = {}, {}
+        pool = None
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            graph = torch.cuda.CUDAGraph()
+            self._forward(size)  # warm-up outside the capture (allocations, autotuning)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+
+    def _forward(self, size: int) -> torch.Tensor:
+        meta = AttentionMetadata(self.cu_q[: size + 1], self.cu_k[: size + 1], 1, self.max_model_len,
+                                 self.slot_mapping[:size], self.block_tables[:size])
+        hidden = self.model.forward_hidden(self.input_ids[:size], self.positions[:size], meta, self.backend)
+        return self.model.compute_logits(hidden)
+
+    def fits(self, num_seqs: int, width: int) -> bool:
+        return num_seqs <= self.sizes[-1] and width <= self.block_tables.shape[1]
+
+    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits [B, vocab] of a decode-only step of B sequences (every row is sampled)."""
+        b = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b] = input_ids
+        self.positions[:b] = positions
+        self.slot_mapping.fill_(-1)
+        self.slot_mapping[:b] = meta.slot_mapping
+        self.block_tables.zero_()
+        width = meta.block_tables.shape[1]
+        self.block_tables[:b, :width] = meta.block_tables.clamp(min=0)
+        self.cu_k[: b + 1] = meta.cu_seqlens_k
+        self.cu_k[b + 1:] = meta.cu_seqlens_k[-1] + torch.arange(1, self.cu_k.numel() - b, device=self.cu_k.device)
+        self.graphs[size].replay()
+        return self.logits[size][:b]

@@ -1,0 +1,87 @@
+"""What a serving engine is judged by: per request TTFT and TPOT, for the engine throughput,
+prefix-cache hit rate, preemptions and swaps.
+
+- TTFT (time to first token): arrival -> first generated token; queueing and the prefill count.
+- TPOT (time per output token): the mean gap between later tokens, (finish - first) / (n - 1).
+- Throughput: generated tokens per second of engine time (time spent inside `step`).
+"""
+
+from dataclasses import dataclass, field
+
+from labkit.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_prefix_cached_tokens: int
+    num_preemptions: int
+    num_swaps: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        return cls(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
+                   seq.num_prompt_tokens, seq.num_output_tokens, seq.num_prefix_cached_tokens,
+                   seq.num_preemptions, seq.num_swaps)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+@dataclass
+class EngineMetrics:
+    num_steps: int = 0
+    num_batched_tokens: int = 0  # tokens the model ran (prefill and decode; prefix-cache hits excluded)
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0  # by recompute
+    num_swaps: int = 0  # swap-outs
+    busy_time: float = 0.0  # seconds spent inside step()
+    finished: list[RequestMetrics] = field(default_factory=list)
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Generated tokens per second of engine time."""
+        return self.num_generated_tokens / self.busy_time if self.busy_time else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+    @property
+    def mean_ttft(self) -> float | None:
+        return _mean(m.ttft for m in self.finished)
+
+    @property
+    def mean_tpot(self) -> float | None:
+        return _mean(m.tpot for m in self.finished)
+
+    def summary(self) -> str:
+        ms = lambda x: "n/a" if x is None else f"{1000 * x:.1f} ms"  # noqa: E731
+        return (f"{len(self.finished)} requests, {self.num_generated_tokens} tokens generated in "
+                f"{self.num_steps} steps; throughput {self.throughput:.1f} tok/s; mean TTFT "
+                f"{ms(self.mean_ttft)}, mean TPOT {ms(self.mean_tpot)}; prefix-cache hit rate "
+                f"{self.prefix_cache_hit_rate:.1%}; preemptions {self.num_preemptions}, swaps {self.num_swaps}")

@@ -1,0 +1,118 @@
+"""One request's whole life in the engine: its tokens, its KV blocks, its state and its timings.
+
+The lifecycle is seed 004's:
+
+    WAITING --schedule--> RUNNING --EOS / max tokens / stop string / abort--> FINISHED
+       ^                    |  ^
+       |  preempt           |  |  swap in
+       +--(recompute)-------+  |
+                            v  |
+                           SWAPPED  (KV blocks copied to CPU memory)
+
+A sequence preempted by recompute goes back to WAITING and loses its KV blocks; when it is
+admitted again, its prompt *and* the tokens it already generated are prefilled together, so
+nothing it produced is lost. The block manager sees a sequence through four attributes
+(`seq_id`, `token_ids`, `block_table`, `num_cached_tokens`); the rest is the engine's.
+"""
+
+import itertools
+import time
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from labkit.sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    """Seed 004's four reasons. vLLM reports EOS and STOP both as "stop"; labkit keeps them apart."""
+
+    EOS = "eos"  # the model produced an end-of-sequence token
+    MAX_TOKENS = "length"  # max_tokens (or max_model_len) reached: vLLM's "length"
+    STOP = "stop"  # a stop string or stop token appeared
+    ABORTED = "abort"  # cancelled by the caller
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, prompt_token_ids: list[int], params: "SamplingParams", priority: int = 0,
+                 prompt: str | None = None, seq_id: int | None = None):
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
+        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
+        self.prompt = prompt
+        self.params = params
+        self.priority = int(priority)
+        self.arrival_order = next(Sequence._ids)  # ties in priority go first-come, first-served
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs: what the KV cache holds
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # leading tokens whose K/V is stored in block_table's blocks
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None  # which stop string / token ended it
+        self.text = ""  # detokenized output, maintained by the engine for stop strings and streaming
+        # Metrics (time.perf_counter seconds) and counters.
+        self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_prefix_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_preemptions = 0
+        self.num_swaps = 0
+
+    # --- token views -------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V the model has not produced yet: the rest of a prefill, or 1 to decode."""
+        return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the last token is still to compute (a prompt, or a recompute after preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # --- transitions -------------------------------------------------------------------------
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, priority={self.priority}, "
+                f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, cached={self.num_cached_tokens})")

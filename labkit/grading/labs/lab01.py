@@ -1,0 +1,168 @@
+"""Lab 01: byte-pair encoding built by hand (pair counts, one merge, the training loop, encode)."""
+
+import random
+from collections import Counter
+from pathlib import Path
+
+from labkit.grading import ExerciseFailed, exercise, require
+from labkit.tokenizer import Tokenizer, merge_pair, pair_counts, pretokenize, train
+from labkit.tokenizer.bpe import learned_vocab
+
+_CORPUS = Path(__file__).resolve().parents[3] / "datasets" / "jargon_file_4.4.7.txt"
+
+
+def _random_ids(rng: random.Random, length: int, alphabet: int = 4) -> list[int]:
+    return [rng.randrange(alphabet) for _ in range(length)]
+
+
+def _sample_text(start: int, size: int) -> str:
+    with open(_CORPUS, encoding="utf-8") as f:
+        return f.read()[start:start + size]
+
+
+@exercise("01", "get_pair_counts")
+def get_pair_counts(ns):
+    fn = require(ns, "get_pair_counts")
+    rng = random.Random(1)
+    for ids in ([], [7], [5, 5, 5], *(_random_ids(rng, n) for n in (2, 9, 30))):
+        got = fn(list(ids))
+        expected = pair_counts(ids)
+        if not isinstance(got, dict):
+            raise ExerciseFailed(f"return a dict {{(a, b): count}}, got a {type(got).__name__}")
+        got = {pair: count for pair, count in got.items() if count}
+        if got == expected:
+            continue
+        if len(ids) > 1 and got == pair_counts(ids[:-1]):
+            raise ExerciseFailed(f"the last pair is missing for {ids}: pairs run from (ids[0], ids[1]) "
+                                 "to (ids[-2], ids[-1])")
+        if any(not (isinstance(k, tuple) and len(k) == 2) for k in got):
+            raise ExerciseFailed(f"keys must be pairs (a, b) of adjacent ids, got keys like {next(iter(got))!r}")
+        raise ExerciseFailed(f"for ids={ids} expected {dict(expected)}, got {got}")
+    return "counts every adjacent pair, overlapping ones included"
+
+
+@exercise("01", "merge")
+def merge(ns):
+    fn = require(ns, "merge")
+    rng = random.Random(2)
+    cases = [([1, 2, 3, 1, 2], (1, 2), 99), ([5, 5, 5], (5, 5), 9), ([1, 2], (2, 1), 9), ([], (1, 2), 9)]
+    cases += [(_random_ids(rng, 25, 3), (rng.randrange(3), rng.randrange(3)), 256) for _ in range(5)]
+    for ids, pair, new_id in cases:
+        before = list(ids)
+        got = fn(ids, pair, new_id)
+        expected = merge_pair(before, pair, new_id)
+        if ids != before:
+            raise ExerciseFailed("merge changed the list it was given: build and return a new list")
+        if not isinstance(got, list):
+            raise ExerciseFailed(f"return a list of ids, got a {type(got).__name__}")
+        if got == expected:
+            continue
+        if before.count(pair[0]) and got == _merge_first_only(before, pair, new_id):
+            raise ExerciseFailed(f"only the first occurrence was merged in {before}: replace every occurrence")
+        if len(got) == len(expected) - 1 and got == expected[:-1]:
+            raise ExerciseFailed(f"the last id was dropped: merge({before}, {pair}, {new_id}) should be {expected}")
+        if before == [5, 5, 5]:
+            raise ExerciseFailed(f"merge([5, 5, 5], (5, 5), 9) should be [9, 5] (left to right, no overlap), "
+                                 f"got {got}")
+        raise ExerciseFailed(f"merge({before}, {pair}, {new_id}) should be {expected}, got {got}")
+    return "replaces every occurrence, left to right, without touching the input"
+
+
+def _merge_first_only(ids, pair, new_id):
+    for i in range(len(ids) - 1):
+        if (ids[i], ids[i + 1]) == pair:
+            return ids[:i] + [new_id] + ids[i + 2:]
+    return list(ids)
+
+
+def _merges_as_list(merges) -> list[tuple[int, int]]:
+    if not isinstance(merges, dict):
+        raise ExerciseFailed(f"return a dict {{(a, b): new_id}}, got a {type(merges).__name__}")
+    ordered = sorted(merges.items(), key=lambda item: item[1])
+    ids = [new_id for _, new_id in ordered]
+    if ids != list(range(256, 256 + len(ids))):
+        raise ExerciseFailed(f"new ids must be 256, 257, ... in the order the merges were learned, got {ids[:6]}")
+    return [tuple(pair) for pair, _ in ordered]
+
+
+@exercise("01", "train_bpe", points=2)
+def train_bpe(ns):
+    fn = require(ns, "train_bpe")
+    text = _sample_text(30_000, 6_000)
+    num_merges = 40
+    learned = fn(text, num_merges)
+    if isinstance(learned, dict) and len(learned) <= 1:
+        raise ExerciseFailed(f"{len(learned)} distinct pair(s) learned in {num_merges} merges: the pieces must be "
+                             "updated after each merge (the seed's bug: it re-encoded the text every time)")
+    got = _merges_as_list(learned)
+    expected = train(text, 256 + num_merges).merges
+    if got == expected:
+        return f"learns the same {num_merges} merges as labkit.tokenizer.train"
+    if len(got) != num_merges:
+        raise ExerciseFailed(f"asked for {num_merges} merges, got {len(got)}")
+    if got == _train_without_pretokenizing(text, num_merges):
+        raise ExerciseFailed("pairs were counted across piece boundaries: count within each piece of "
+                             "pretokenize(text), so no token spans a space before a word")
+    first_wrong = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+    raise ExerciseFailed(f"merge {first_wrong} (new id {256 + first_wrong}) should be {expected[first_wrong]}, got "
+                         f"{got[first_wrong]}; the most frequent pair wins, ties going to the smaller pair")
+
+
+def _train_without_pretokenizing(text, num_merges):
+    ids, merges = list(text.encode("utf-8")), []
+    for step in range(num_merges):
+        counts = pair_counts(ids)
+        if not counts:
+            break
+        best = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append(best)
+        ids = merge_pair(ids, best, 256 + step)
+    return merges
+
+
+@exercise("01", "encode", points=2)
+def encode(ns):
+    fn = require(ns, "encode")
+    merges = train(_sample_text(0, 20_000), 256 + 120).merges
+    merges_dict = {pair: 256 + rank for rank, pair in enumerate(merges)}
+    reference = Tokenizer(learned_vocab(merges), merges, "gpt2")
+    texts = ["", "a", "hello world", "naïve café 😀, 12345!!", "don'the  the   in", _sample_text(200_000, 600)]
+    for text in texts:
+        got = fn(text, dict(merges_dict))
+        expected = reference.encode(text)
+        if not isinstance(got, list):
+            raise ExerciseFailed(f"return a list of ids, got a {type(got).__name__}")
+        if got == expected:
+            continue
+        if got == list(text.encode("utf-8")):
+            raise ExerciseFailed("no merge was applied: the ids are just the UTF-8 bytes")
+        if got == _encode_without_pretokenizing(text, merges):
+            raise ExerciseFailed("merges were applied across piece boundaries: encode each piece of "
+                                 "pretokenize(text) on its own, as in training")
+        if got == _encode_by_frequency(text, merges_dict):
+            raise ExerciseFailed("merges were chosen by how often a pair occurs in this text: apply the "
+                                 "earliest-learned merge first (the lowest new id), as training did")
+        raise ExerciseFailed(f"encode({text[:40]!r}...) differs from labkit's: expected {expected[:12]}..., "
+                             f"got {got[:12]}...")
+    return "same ids as labkit's tokenizer with your merges"
+
+
+def _encode_without_pretokenizing(text, merges):
+    ids = list(text.encode("utf-8"))
+    for rank, pair in enumerate(merges):
+        ids = merge_pair(ids, pair, 256 + rank)
+    return ids
+
+
+def _encode_by_frequency(text, merges_dict):
+    out = []
+    for piece in pretokenize(text):
+        ids = list(piece.encode("utf-8"))
+        while True:
+            counts = Counter({p: c for p, c in pair_counts(ids).items() if p in merges_dict})
+            if not counts:
+                break
+            pair = counts.most_common(1)[0][0]
+            ids = merge_pair(ids, pair, merges_dict[pair])
+        out.extend(ids)
+    return out

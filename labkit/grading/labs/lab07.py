@@ -1,0 +1,137 @@
+"""Lab 07: PagedAttention — block allocator, memory-savings calculator, the gather, online softmax."""
+
+import math
+
+import torch
+
+from labkit.attention.reference import online_softmax_attention
+from labkit.grading import ExerciseFailed, exercise, require
+
+
+@exercise("07", "SimpleBlockAllocator")
+def simple_block_allocator(ns):
+    cls = require(ns, "SimpleBlockAllocator", type)
+    alloc = cls(total_blocks=10, block_size=16)
+    table = alloc.allocate_sequence(seq_id=1, length=50)
+    if not isinstance(table, list) or len(table) != 4:
+        raise ExerciseFailed(f"50 tokens in blocks of 16 need ceil(50/16) = 4 blocks, got {table!r}")
+    if len(set(table)) != 4 or not all(0 <= b < 10 for b in table):
+        raise ExerciseFailed(f"allocated blocks must be distinct ids in 0..9, got {table}")
+    new = alloc.append_tokens(seq_id=1, num_tokens=10)  # 60 tokens: still 4 blocks
+    if new:
+        raise ExerciseFailed("appending 10 tokens to 50 allocated a block although the last block had 14 free slots")
+    new = alloc.append_tokens(seq_id=1, num_tokens=20)  # 80 tokens: 5 blocks
+    if not new or len(new) != 1:
+        raise ExerciseFailed(f"going from 60 to 80 tokens needs exactly one new block, got {new!r}")
+    if new[0] in table:
+        raise ExerciseFailed("append handed out a block the sequence already holds")
+    other = alloc.allocate_sequence(seq_id=2, length=16)
+    if len(other) != 1 or set(other) & set(table + new):
+        raise ExerciseFailed(f"a second sequence must get blocks nobody holds, got {other}")
+    util = alloc.get_utilization()
+    if not isinstance(util, float | int) or not math.isclose(util, 0.6):
+        raise ExerciseFailed(f"6 of 10 blocks are allocated, so utilization is 0.6, got {util!r}")
+    freed = alloc.free_sequence(seq_id=1)
+    if freed != 5:
+        raise ExerciseFailed(f"sequence 1 held 5 blocks, free_sequence returned {freed!r}")
+    if not math.isclose(alloc.get_utilization(), 0.1):
+        raise ExerciseFailed("after freeing sequence 1, its blocks are not back in the free pool")
+    table = alloc.allocate_sequence(seq_id=3, length=144)  # 9 blocks: needs the freed ones
+    if len(table) != 9:
+        raise ExerciseFailed("freed blocks could not be allocated again")
+    return "blocks allocated on demand, reused after free, utilization = used / total blocks"
+
+
+def _reference_savings(num_sequences, avg_length, max_length, block_size, memory_per_token):
+    traditional = num_sequences * max_length * memory_per_token
+    paged = num_sequences * math.ceil(avg_length / block_size) * block_size * memory_per_token
+    used = num_sequences * avg_length * memory_per_token
+    return {"traditional_memory": traditional, "paged_memory": paged, "savings_bytes": traditional - paged,
+            "savings_percent": 100 * (traditional - paged) / traditional,
+            "utilization_traditional": used / traditional, "utilization_paged": used / paged}
+
+
+@exercise("07", "calculate_memory_savings")
+def calculate_memory_savings(ns):
+    fn = require(ns, "calculate_memory_savings")
+    args = dict(num_sequences=30, avg_length=1000, max_length=2048, block_size=16, memory_per_token=512)
+    got = fn(**args)
+    want = _reference_savings(**args)
+    if not isinstance(got, dict) or set(want) - set(got):
+        raise ExerciseFailed(f"return a dict with keys {sorted(want)}")
+    if math.isclose(got["paged_memory"], 30 * 1000 * 512):
+        raise ExerciseFailed("paged memory counts only the tokens: round each sequence up to whole blocks")
+    if math.isclose(got["savings_percent"], 100 * (want["savings_bytes"] / want["paged_memory"])):
+        raise ExerciseFailed("savings_percent is relative to the paged memory; express it as a share of the "
+                             "traditional memory")
+    for key, value in want.items():
+        if not math.isclose(float(got[key]), value, rel_tol=1e-9):
+            scale = " (percent means 0..100)" if key == "savings_percent" else ""
+            raise ExerciseFailed(f"{key} should be {value:.6g}, got {got[key]!r}{scale}")
+    return "traditional reserves max_length per sequence; paged rounds each up to whole blocks"
+
+
+def _reference_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
+    max_len = int(seq_lengths.max())
+    bs = kv_cache.shape[3]
+    out = torch.zeros(block_table.shape[0], max_len, *kv_cache.shape[4:], dtype=kv_cache.dtype)
+    for s, n in enumerate(seq_lengths.tolist()):
+        for t in range(n):
+            out[s, t] = kv_cache[block_table[s, t // bs], layer_idx, kv_idx, t % bs]
+    return out
+
+
+@exercise("07", "gather_kv_from_blocks")
+def gather_kv_from_blocks(ns):
+    fn = require(ns, "gather_kv_from_blocks")
+    g = torch.Generator().manual_seed(7)
+    kv_cache = torch.randn(12, 3, 2, 8, 2, 4, generator=g)  # [blocks, layers, K/V, block_size, heads, dim]
+    block_table = torch.tensor([[5, 2, 9, -1], [0, 11, -1, -1], [7, 3, 1, 4]])
+    seq_lengths = torch.tensor([20, 9, 29])
+    got = fn(kv_cache, block_table, seq_lengths, 1, 1)
+    want = _reference_gather(kv_cache, block_table, seq_lengths, 1, 1)
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"return a tensor, got {type(got).__name__}")
+    if got.dim() == 5:
+        raise ExerciseFailed("the result still has a layer dimension: take layer_idx only")
+    if got.shape == (3, 32, 2, 4):
+        raise ExerciseFailed("shape [3, 32, 2, 4]: trim to the longest sequence (max_seq_len = 29), not whole blocks")
+    if got.shape != want.shape:
+        raise ExerciseFailed(f"expected shape {tuple(want.shape)} = [num_seqs, max_seq_len, heads, dim], "
+                             f"got {tuple(got.shape)}")
+    if torch.equal(got, _reference_gather(kv_cache, block_table, seq_lengths, 1, 0)):
+        raise ExerciseFailed("gathered the keys: kv_idx = 1 asks for the values")
+    valid = torch.arange(29)[None, :] < seq_lengths[:, None]
+    if not torch.equal(got[valid], want[valid]):
+        raise ExerciseFailed("tokens come out in the wrong places: token t of a sequence lives in block "
+                             "block_table[s, t // block_size] at offset t % block_size")
+    if got[~valid].abs().sum() != 0:
+        raise ExerciseFailed("positions past a sequence's length must be zero padding, not leftover block contents")
+    return "each sequence's tokens in order, zero-padded to the longest"
+
+
+@exercise("07", "online_softmax_attention")
+def online_softmax(ns):
+    fn = require(ns, "online_softmax_attention")
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(4, 16, generator=g, dtype=torch.float64) * 4
+    key_blocks = [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) for _ in range(3)]
+    value_blocks = [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) for _ in range(3)]
+    got = fn(query, key_blocks, value_blocks)
+    want = online_softmax_attention(query, key_blocks, value_blocks)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        raise ExerciseFailed(f"expected a [num_heads, head_dim] = {tuple(want.shape)} tensor")
+    per_block = sum(
+        torch.einsum("hb,bhd->hd", torch.softmax(torch.einsum("hd,bhd->hb", query, k) / 4, -1), v)
+        for k, v in zip(key_blocks, value_blocks, strict=True)
+    )
+    if torch.allclose(got, per_block, atol=1e-6):
+        raise ExerciseFailed("each block got its own softmax: the weights must be normalized over all keys")
+    if not torch.allclose(got, want, atol=1e-6):
+        raise ExerciseFailed(f"differs from softmax attention over all keys (max abs diff "
+                             f"{(got - want).abs().max():.2e}); rescale l and acc by exp(m_old - m_new)")
+    with torch.no_grad():
+        single = fn(query[:, :], key_blocks[:1], value_blocks[:1])
+    if not torch.allclose(single, online_softmax_attention(query, key_blocks[:1], value_blocks[:1]), atol=1e-6):
+        raise ExerciseFailed("wrong with a single block")
+    return "one pass over the blocks equals softmax over all keys"

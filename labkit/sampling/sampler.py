@@ -1,0 +1,184 @@
+"""The batched sampler: one call per engine step picks the next token of every running sequence.
+
+How the engine calls it, once per step, with the logits of each sequence's last position:
+
+    metadata = SamplingMetadata.from_requests(
+        [seq.params for seq in running],           # SamplingParams per row
+        [seq.prompt_token_ids for seq in running], # for repetition_penalty
+        [seq.output_token_ids for seq in running], # generated so far: penalties, and the step counter
+        device=logits.device,
+    )
+    next_tokens = sampler(logits, metadata)       # LongTensor [batch]
+
+Per row, in this order (vLLM's and transformers'): penalties on the raw logits; then greedy rows
+(temperature 0) take the argmax, and the others go through temperature, top-k, top-p, min-p and a
+draw from what is left. Everything is tensor operations over the whole batch; the only Python
+loop is the one that packs the requests' lists into tensors.
+
+Seeds. A seeded request must draw the same tokens whichever requests share its batch and in
+whichever row it sits, and again after being preempted and recomputed. A torch.Generator per row
+would need a Python loop over rows every step. Instead the randomness is a counter-based hash:
+the uniform for vocabulary entry i of a request with seed s at step t (tokens generated so far)
+is hash(s, t, i), computed for the whole batch at once. It depends on nothing but those three
+numbers. The draw is the Gumbel-max trick: argmax_i(logit_i - log(-log u_i)) is distributed as
+softmax(logits), which is exact sampling from the filtered distribution. Requests without a seed
+get a fresh random seed from torch's global generator each step (so `torch.manual_seed` makes a
+whole run reproducible).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from labkit.sampling.filters import apply_min_p, apply_temperature, apply_top_k, apply_top_p
+from labkit.sampling.params import SamplingParams
+from labkit.sampling.penalties import PAD_ID, apply_penalties
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x in [0, 2**32), without overflowing int64 (split x into 16-bit halves)."""
+    low, high = x & 0xFFFF, x >> 16
+    return (low * c + (((high * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixed 32-bit integer hash (Chris Wellons' "lowbias32"), element-wise on int64 tensors."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), `[batch, vocab]` float64, a pure function of (seed, step, vocabulary index).
+
+    `vocab_hash` is `hash32(arange(vocab))`, computed once by the Sampler.
+    """
+    row_key = hash32(hash32(hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ (steps & _MASK32))
+    bits = hash32(row_key.unsqueeze(-1) ^ vocab_hash)
+    return (bits.to(torch.float64) + 0.5) / 2.0**32
+
+
+def gumbel_max(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one index per row from softmax(logits), given one uniform per entry (-inf entries never win)."""
+    return (logits.to(torch.float64) - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+
+
+def _padded(rows: Sequence[Sequence[int]], device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([list(r) + [PAD_ID] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Everything the sampler needs for one step, one row per sequence (vLLM's name for it).
+
+    Penalty tensors are None when no row uses a penalty, so the common case skips that work.
+    """
+
+    temperature: torch.Tensor  # [batch] float64, 0 = greedy
+    top_k: torch.Tensor  # [batch] int64, <= 0 = off
+    top_p: torch.Tensor  # [batch] float64, 1 = off
+    min_p: torch.Tensor  # [batch] float64, 0 = off
+    seeds: torch.Tensor  # [batch] int64: the request's seed, or a fresh random one
+    steps: torch.Tensor  # [batch] int64: tokens generated so far, the counter of the seeded draws
+    prompt_token_ids: torch.Tensor | None = None  # [batch, longest prompt], -1 padded
+    output_token_ids: torch.Tensor | None = None  # [batch, longest output], -1 padded
+    repetition_penalty: torch.Tensor | None = None  # [batch], 1 = off
+    presence_penalty: torch.Tensor | None = None  # [batch], 0 = off
+    frequency_penalty: torch.Tensor | None = None  # [batch], 0 = off
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        device: torch.device | str = "cpu",
+    ) -> "SamplingMetadata":
+        """Pack per-request settings and token histories into per-row tensors on `device`."""
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("params must be a sequence of SamplingParams, one per row")
+        if not len(params) == len(prompt_token_ids) == len(output_token_ids):
+            raise ValueError(
+                f"params, prompt_token_ids and output_token_ids need one entry per row, got "
+                f"{len(params)}, {len(prompt_token_ids)} and {len(output_token_ids)}"
+            )
+        column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        random_seeds = torch.randint(0, 2**62, (len(params),)).tolist()
+        seeds = [p.seed if p.seed is not None else fresh for p, fresh in zip(params, random_seeds, strict=True)]
+        penalized = any(
+            p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params
+        )
+        return cls(
+            temperature=column("temperature", torch.float64),
+            top_k=column("top_k", torch.int64),
+            top_p=column("top_p", torch.float64),
+            min_p=column("min_p", torch.float64),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            steps=torch.tensor([len(out) for out in output_token_ids], dtype=torch.int64, device=device),
+            prompt_token_ids=_padded(prompt_token_ids, device) if penalized else None,
+            output_token_ids=_padded(output_token_ids, device) if penalized else None,
+            repetition_penalty=column("repetition_penalty", torch.float32) if penalized else None,
+            presence_penalty=column("presence_penalty", torch.float32) if penalized else None,
+            frequency_penalty=column("frequency_penalty", torch.float32) if penalized else None,
+        )
+
+
+class Sampler:
+    """Picks one token per row of a logits batch, each row with its own SamplingParams.
+
+    Holds one thing between calls: the hashed vocabulary indices of the seeded draws.
+    """
+
+    def __init__(self):
+        self._vocab_hash: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Next token ids `[batch]` (int64) for `logits` `[batch, vocab]`; the input is not modified."""
+        if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
+            raise ValueError(
+                f"logits must be [batch, vocab] with one row per request ({metadata.temperature.shape[0]}), "
+                f"got shape {tuple(logits.shape)}"
+            )
+        logits = logits.float()
+        if metadata.repetition_penalty is not None:
+            logits = apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                metadata.output_token_ids,
+                metadata.repetition_penalty,
+                metadata.presence_penalty,
+                metadata.frequency_penalty,
+            )
+        greedy_rows = metadata.temperature == 0
+        greedy_tokens = logits.argmax(dim=-1)
+        if greedy_rows.all():
+            return greedy_tokens
+        filtered = self.filter(logits, metadata)
+        sampled = gumbel_max(filtered, seeded_uniforms(metadata.seeds, metadata.steps, self._hashed_vocab(logits)))
+        return torch.where(greedy_rows, greedy_tokens, sampled)
+
+    @staticmethod
+    def filter(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p per row (greedy rows pass through at temperature 1)."""
+        temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
+        logits = apply_temperature(logits, temperature)
+        if (metadata.top_k > 0).any():
+            logits = apply_top_k(logits, metadata.top_k)
+        if (metadata.top_p < 1).any():
+            logits = apply_top_p(logits, metadata.top_p)
+        if (metadata.min_p > 0).any():
+            logits = apply_min_p(logits, metadata.min_p)
+        return logits
+
+    def _hashed_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        cached = self._vocab_hash
+        if cached is None or cached.shape[0] != logits.shape[-1] or cached.device != logits.device:
+            self._vocab_hash = hash32(torch.arange(logits.shape[-1], dtype=torch.int64, device=logits.device))
+        return self._vocab_hash

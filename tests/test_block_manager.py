@@ -1,0 +1,262 @@
+"""BlockManager: allocation, prefix hits, eviction, swap, error paths, and the three nano-vLLM bugs."""
+
+import pytest
+import torch
+
+from labkit.cache.block_manager import BlockManager, KVCacheExhausted, hash_block
+from labkit.cache.paged_storage import PagedKVStorage
+from labkit.cache.sequence_blocks import BlockSequence
+
+
+def computed(seq):
+    """What the engine does after a forward step: every token's K/V is now stored."""
+    seq.num_cached_tokens = len(seq.token_ids)
+    return seq
+
+
+def prefill(bm, seq):
+    """Allocate, run the (pretend) prefill, and let the manager cache the computed full blocks."""
+    bm.allocate(seq)
+    hit = seq.num_cached_tokens
+    bm.cache_computed_blocks(computed(seq))
+    return hit
+
+
+def test_allocate_counts_blocks_and_frees_everything():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = BlockSequence(0, list(range(10)))
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3 and seq.num_cached_tokens == 0
+    assert bm.num_free_blocks == 5
+    bm.check_invariants([seq])
+    bm.deallocate(seq)
+    assert seq.block_table == [] and bm.num_free_blocks == 8
+    bm.check_invariants([])
+
+
+def test_hash_chain_covers_the_whole_prefix():
+    assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [9, 9]), [1, 2])
+    assert hash_block(None, [1, 2]) == hash_block(None, (1, 2))
+
+
+def test_shared_system_prompt_hits_and_counts():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    system = list(range(100, 112))  # three full blocks
+    a = BlockSequence("a", system + [1, 2])
+    prefill(bm, a)
+    b = BlockSequence("b", system + [7, 8, 9])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 12
+    assert b.block_table[:3] == a.block_table[:3] and b.block_table[3] != a.block_table[3]
+    assert [bm.blocks[i].ref_count for i in a.block_table[:3]] == [2, 2, 2]
+    assert bm.stats.hit_tokens == 12 and bm.stats.queried_tokens == 14 + 15
+    bm.check_invariants([a, b])
+
+
+def test_a_hit_stops_at_the_first_miss():
+    bm = BlockManager(num_blocks=16, block_size=2)
+    a = BlockSequence("a", [1, 2, 3, 4, 5, 6, 7])
+    prefill(bm, a)
+    b = BlockSequence("b", [1, 2, 9, 9, 5, 6, 7])  # block 2 equal to a's, but after a different block
+    bm.allocate(b)
+    assert b.num_cached_tokens == 2
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru_first():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = BlockSequence("a", [1, 2, 3, 4, 5])
+    prefill(bm, a)
+    bm.deallocate(a)  # blocks [1,2] and [3,4] stay cached, the partial one does not
+    assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
+    again = BlockSequence("again", [1, 2, 3, 4, 6])
+    bm.allocate(again)
+    assert again.num_cached_tokens == 4 and bm.stats.evictions == 0
+    bm.deallocate(again)
+    big = BlockSequence("big", [9] * 7)  # needs all four blocks: evicts both cached ones
+    bm.allocate(big)
+    assert bm.stats.evictions == 2 and bm.hash_to_block == {}
+    bm.check_invariants([big])
+
+
+def test_bug_stale_hash_after_reuse_is_never_a_hit():
+    """nano-vLLM kept the hash entry of a block after handing the block to new content.
+
+    Here the reused block gets the same tokens [3, 4] under a different prefix, so a stale entry
+    would pass the block-level token check and serve K/V computed after [7, 8] to a prompt that
+    starts [1, 2].
+    """
+    bm = BlockManager(num_blocks=3, block_size=2)
+    a = BlockSequence("a", [1, 2, 3, 4])
+    prefill(bm, a)
+    first, second = a.block_table
+    bm.deallocate(a)  # both blocks stay cached; [3, 4] (the tail) is the least recently freed
+    b = BlockSequence("b", [7, 8, 3, 4])
+    assert prefill(bm, b) == 0
+    assert b.block_table[1] == second  # the [3, 4] block was evicted and refilled
+    bm.check_invariants([b])
+    bm.deallocate(b)
+    c = BlockSequence("c", [1, 2, 3, 4, 5])
+    bm.allocate(c)
+    assert c.block_table[0] == first  # [1, 2] is still valid and hits
+    assert c.num_cached_tokens == 2  # a stale [1, 2] + [3, 4] entry would make this 4
+
+
+def test_bug_fully_cached_prompt_leaves_a_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = BlockSequence("a", list(range(8)))
+    prefill(bm, a)
+    b = BlockSequence("b", list(range(8)))  # every block of b is cached
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4 < len(b.token_ids)
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+    assert bm.blocks[b.block_table[1]].ref_count == 1  # the block b will write into is its own
+    bm.check_invariants([a, b])
+
+
+def test_bug_preempting_a_sequence_with_shared_blocks_keeps_the_other_intact():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = BlockSequence("a", [1, 2, 3, 4, 5])
+    prefill(bm, a)
+    b = BlockSequence("b", [1, 2, 3, 4, 6])
+    bm.allocate(b)
+    shared = a.block_table[:2]
+    b.token_ids.append(10)  # b decodes a token, then is preempted (recompute)
+    computed(b)
+    bm.append(b)
+    bm.deallocate(b)
+    assert [bm.blocks[i].ref_count for i in shared] == [1, 1]
+    assert a.block_table[:2] == shared and all(bm.hash_to_block[bm.blocks[i].hash] == i for i in shared)
+    bm.check_invariants([a])
+    bm.allocate(b)  # re-admitted: its prompt plus output, prefix hits again
+    assert b.block_table[:2] == shared and b.num_cached_tokens == 4
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 6
+    bm.check_invariants([])
+
+
+def test_append_adds_a_block_only_at_a_boundary_and_caches_full_ones():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq = BlockSequence("s", [1, 2, 3])
+    bm.allocate(seq)
+    computed(seq)
+    seq.token_ids.append(4)
+    assert bm.can_append(seq)
+    bm.append(seq)
+    assert len(seq.block_table) == 2
+    computed(seq)
+    seq.token_ids.append(5)
+    bm.append(seq)
+    assert len(seq.block_table) == 3
+    assert bm.blocks[seq.block_table[1]].hash is not None and bm.blocks[seq.block_table[2]].hash is None
+
+
+def test_pool_exhaustion_is_a_clear_error_and_nothing_changes():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = BlockSequence("long", list(range(9)))
+    assert not bm.can_allocate(seq)
+    with pytest.raises(KVCacheExhausted, match="needs 3 free blocks, 2 of 2 are free"):
+        bm.allocate(seq)
+    assert seq.block_table == [] and bm.num_free_blocks == 2
+    full = BlockSequence("full", list(range(8)))
+    bm.allocate(full)
+    full.token_ids.append(8)
+    assert not bm.can_append(full)
+    with pytest.raises(KVCacheExhausted, match="needs 1 more block"):
+        bm.append(full)
+    assert len(full.block_table) == 2
+    bm.check_invariants([full])
+
+
+@pytest.mark.parametrize("call, message", [
+    ("allocate_twice", "already holds blocks"),
+    ("append_first", "holds no blocks; allocate"),
+    ("free_twice", "holds no blocks \\(never allocated, or freed already\\)"),
+    ("empty", "has no tokens"),
+    ("shrink", "tokens were removed"),
+])
+def test_out_of_order_calls_raise_value_errors(call, message):
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq = BlockSequence("s", [1, 2, 3])
+    with pytest.raises(ValueError, match=message):
+        if call == "allocate_twice":
+            bm.allocate(seq)
+            bm.allocate(seq)
+        elif call == "append_first":
+            bm.append(seq)
+        elif call == "free_twice":
+            bm.allocate(seq)
+            bm.deallocate(seq)
+            bm.deallocate(seq)
+        elif call == "empty":
+            bm.allocate(BlockSequence("e", []))
+        else:
+            bm.allocate(seq)
+            seq.token_ids[:] = [1]
+            bm.append(seq)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"num_blocks": 0, "block_size": 4}, "num_blocks"),
+                                          ({"num_blocks": 4, "block_size": 0}, "block_size")])
+def test_bad_sizes_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        BlockManager(**kwargs)
+
+
+def test_swap_out_and_in_restores_the_kv_and_frees_the_blocks():
+    storage = PagedKVStorage(num_layers=2, num_blocks=4, block_size=8, num_kv_heads=1, head_dim=4)
+    storage.kv.copy_(torch.randn(storage.kv.shape))
+    bm = BlockManager(num_blocks=4, block_size=8)
+    seq = BlockSequence("s", list(range(12)))
+    bm.allocate(seq)
+    computed(seq)
+    before = storage.read_blocks(seq.block_table)
+    bm.swap_out(seq, storage)
+    assert bm.is_swapped(seq) and seq.block_table == [] and seq.num_cached_tokens == 12
+    filler = BlockSequence("filler", list(range(100, 132)))  # takes every block, overwriting the K/V
+    bm.allocate(filler)
+    storage.kv.zero_()
+    assert not bm.can_swap_in(seq)
+    with pytest.raises(KVCacheExhausted, match="to swap in"):
+        bm.swap_in(seq, storage)
+    bm.deallocate(filler)
+    bm.swap_in(seq, storage)
+    assert not bm.is_swapped(seq)
+    torch.testing.assert_close(storage.read_blocks(seq.block_table), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        bm.swap_in(seq, storage)
+    bm.check_invariants([seq])
+
+
+def test_aborting_a_swapped_sequence_drops_its_cpu_copy():
+    storage = PagedKVStorage(num_layers=1, num_blocks=2, block_size=8, num_kv_heads=1, head_dim=4)
+    bm = BlockManager(num_blocks=2, block_size=8)
+    seq = BlockSequence("s", [1, 2, 3])
+    bm.allocate(seq)
+    bm.swap_out(seq, storage)
+    bm.deallocate(seq)
+    assert not bm.is_swapped(seq) and bm.num_free_blocks == 2
+    with pytest.raises(ValueError, match="not swapped out"):
+        bm.can_swap_in(seq)
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    a = BlockSequence("a", [1, 2, 3])
+    prefill(bm, a)
+    bm.deallocate(a)
+    b = BlockSequence("b", [1, 2, 3])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and bm.hash_to_block == {}
+
+
+@pytest.mark.parametrize("block_size, hit_tokens", [(8, 7 * 40), (16, 7 * 32), (32, 7 * 32), (256, 0)])
+def test_lab09_claim_shared_system_prompt_hits_whole_blocks_only(block_size, hit_tokens):
+    """Lab 09 §3: a 40-token system prompt shared by 8 requests; only whole blocks inside it are reused."""
+    g = torch.Generator().manual_seed(9)
+    system = torch.randint(100, 1000, (40,), generator=g).tolist()
+    bm = BlockManager(num_blocks=128, block_size=block_size)
+    for i in range(8):
+        prefill(bm, BlockSequence(i, system + torch.randint(100, 1000, (6,), generator=g).tolist()))
+    assert bm.stats.hit_tokens == hit_tokens and bm.stats.queried_tokens == 8 * 46
