@@ -16,7 +16,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 export OMP_NUM_THREADS ?= 1
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench clean
+.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo clean
 
 help:
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
@@ -26,6 +26,7 @@ help:
 	@echo "make execute             re-run solutions/ in place (stored outputs), then make notebooks"
 	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"
 	@echo "make bench               speed figures against reference libraries"
+	@echo "make demo                SmolLM2 answers a few questions through the engine, with its metrics"
 
 setup: $(STAMP)
 
@@ -70,6 +71,9 @@ endif
 
 bench: setup
 	@for script in $(BENCHES); do OMP_NUM_THREADS=$(NPROC) $(BIN)/python $$script || exit 1; done
+
+demo: setup
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m labkit.engine
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache .ruff_cache .hypothesis

@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from labkit.engine import LLM  # noqa: E402
-from labkit.registry import resolve_model_path  # noqa: E402
+from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
 
 SYSTEM_PROMPT = (
@@ -40,25 +40,6 @@ def workload(n: int, seed: int, prompt_lens: tuple[int, int], output_lens: tuple
     prompts = [[rng.randint(100, 10000) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
     outputs = [rng.randint(*output_lens) for _ in range(n)]
     return prompts, outputs
-
-
-def load_transformers():
-    """transformers' Llama with the same GGUF's weights, dequantized by transformers' own GGUF reader.
-
-    (`from_pretrained(..., gguf_file=)` would need the accelerate package; this is the same reader.)
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = resolve_model_path("smollm2")
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    weights = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
-    missing = hf.load_state_dict(weights, strict=False).missing_keys
-    if missing != ["lm_head.weight"]:  # tied to the embedding
-        raise RuntimeError(f"transformers' model is missing weights: {missing}")
-    hf.tie_weights()
-    return hf
 
 
 @torch.inference_mode()
@@ -133,7 +114,7 @@ def main():
     print(f"labkit:       {t_labkit:7.1f} s, {tput_labkit:7.1f} output tok/s "
           f"({llm.metrics.num_preemptions} preemptions)")
 
-    hf = load_transformers()
+    hf, _ = load_transformers_model("smollm2")
     hf_generate(hf, prompts[:2], 2)  # warm-up
     t_hf = sum(time_it(lambda b=b: hf_generate(hf, [prompts[i] for i in b], max(outputs[i] for i in b)))
                for b in batches)

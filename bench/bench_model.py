@@ -10,13 +10,10 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-from transformers.initialization import no_init_weights  # noqa: E402
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 
 from labkit.cache import PreallocatedKVCache  # noqa: E402
 from labkit.model import generate, load_model  # noqa: E402
-from labkit.registry import resolve_model_path  # noqa: E402
+from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
 
 NEW_TOKENS = 32
 
@@ -27,20 +24,10 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def load_transformers(path):
-    with no_init_weights():
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
-                                              dtype=torch.float32).eval()
-    hf.load_state_dict(load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"], strict=False)
-    hf.tie_weights()
-    return hf
-
-
 def main():
     torch.manual_seed(0)
-    path = resolve_model_path("smollm2")
     model, labkit_load = timed(lambda: load_model("smollm2", device="cpu"))
-    hf, hf_load = timed(lambda: load_transformers(path))
+    (hf, _), hf_load = timed(lambda: load_transformers_model("smollm2"))
     print(f"load SmolLM2 (GGUF -> fp32): labkit {labkit_load:.1f} s, transformers {hf_load:.1f} s "
           f"(ratio {labkit_load / hf_load:.2f}; target: labkit < 15 s -> {'met' if labkit_load < 15 else 'MISSED'})")
 

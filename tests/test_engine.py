@@ -6,12 +6,10 @@ labkit's copy. Outputs are short so the module stays well under a minute and a h
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from labkit.engine import LLM, FinishReason
 from labkit.model import load_model
-from labkit.registry import resolve_model_path
+from labkit.model.transformers_oracle import load_transformers_model
 from labkit.sampling import SamplingParams
 from labkit.tokenizer import load_tokenizer
 
@@ -31,11 +29,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 def smollm2():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 threads on a busy 2-core machine are many times slower than 1
-    path = resolve_model_path("smollm2")
-    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
-                                          dtype=torch.float32).eval()
-    hf.load_state_dict(load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"], strict=False)
-    hf.tie_weights()
+    hf, _ = load_transformers_model("smollm2")
     model, tokenizer = load_model("smollm2", device="cpu"), load_tokenizer("smollm2")
     expected = []
     with torch.inference_mode():

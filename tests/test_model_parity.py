@@ -6,13 +6,10 @@ un-permutation), so agreement checks labkit's loader as well as its decoder.
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.initialization import no_init_weights
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from labkit.cache import KVCache, PreallocatedKVCache
 from labkit.model import generate, load_model
-from labkit.registry import resolve_model_path
+from labkit.model.transformers_oracle import load_transformers_model
 
 PROMPTS = [
     "The capital of France is",
@@ -23,15 +20,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = resolve_model_path("smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    with no_init_weights():  # the weights come from the file; random init would only cost time
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
-                                              dtype=torch.float32).eval()
-    weights = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
-    missing = hf.load_state_dict(weights, strict=False).missing_keys
-    assert missing == ["lm_head.weight"]  # tied to the embedding, as labkit's
-    hf.tie_weights()
+    hf, tokenizer = load_transformers_model("smollm2", with_tokenizer=True)
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     return tokenizer, hf, load_model("smollm2", device="cpu")
 

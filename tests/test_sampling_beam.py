@@ -1,14 +1,11 @@
 """Beam search: hand-checked on a toy scorer, and equal to transformers' `generate(num_beams=...)` on SmolLM2."""
 
-import functools
 import math
-from unittest import mock
 
-import gguf
 import pytest
 import torch
 
-from labkit.registry import resolve_model_path
+from labkit.model.transformers_oracle import load_transformers_model
 from labkit.sampling import beam_search
 
 
@@ -76,29 +73,8 @@ def test_a_scorer_returning_the_wrong_shape_is_reported():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2-135M-Instruct in transformers, from the course's GGUF file (offline).
-
-    `from_pretrained(gguf_file=...)` needs the `accelerate` package; building the model from the
-    same GGUF's config and tensors does not. transformers parses the file once for the config, once
-    for the tensors and once for the tokenizer, and rebuilds gguf's name map per module: caching
-    both during the load cuts it from about a minute to a few seconds on a loaded 2-core machine.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = resolve_model_path("smollm2")
-    with (mock.patch("gguf.GGUFReader", functools.cache(gguf.GGUFReader)),
-          mock.patch("gguf.get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))):
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config)
-        weights = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    missing = model.load_state_dict(weights, strict=False).missing_keys
-    assert missing == ["lm_head.weight"]  # tied to the embeddings
-    model.tie_weights()
-    return model.eval(), tokenizer
+    """SmolLM2-135M-Instruct in transformers, from the course's GGUF file (offline)."""
+    return load_transformers_model("smollm2", with_tokenizer=True)
 
 
 def hf_scorer(model):

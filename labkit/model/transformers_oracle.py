@@ -1,0 +1,43 @@
+"""transformers' own model on the same GGUF file: the oracle labkit is compared with.
+
+Tests, benchmarks and Lab 11 all need it. `from_pretrained(..., gguf_file=)` would pull in the
+`accelerate` package; building the model from the file's config and loading the tensors that
+transformers' own GGUF reader dequantizes gives the same weights without it. transformers parses
+the file once for the config, once for the tensors (and once for a tokenizer) and rebuilds gguf's
+tensor-name map each time: caching both during the load turns about a minute into seconds.
+"""
+
+import functools
+from unittest import mock
+
+import torch
+
+from labkit.registry import resolve_model_path
+
+
+def load_transformers_model(name_or_path="smollm2", with_tokenizer: bool = False,
+                            dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """(model, tokenizer or None): transformers' model from a GGUF file, in eval mode."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = resolve_model_path(name_or_path)
+    if path.suffix != ".gguf":
+        raise ValueError(f"the transformers oracle reads GGUF files; {path} is not one")
+    tokenizer = None
+    with (mock.patch("gguf.GGUFReader", functools.cache(gguf.GGUFReader)),
+          mock.patch("gguf.get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))):
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        with no_init_weights():  # every weight comes from the file
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        weights = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+        if with_tokenizer:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    missing = model.load_state_dict(weights, strict=False).missing_keys
+    expected_missing = ["lm_head.weight"] if config.tie_word_embeddings else []
+    if missing != expected_missing:
+        raise RuntimeError(f"transformers' model is missing weights from {path.name}: {missing}")
+    model.tie_weights()  # from_config leaves a tied head untied until asked
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
