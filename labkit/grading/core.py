@@ -79,6 +79,17 @@ def require(namespace: dict, name: str, kind: type | None = None):
     return value
 
 
+def expect_tensor(value, shape, what: str):
+    """`value` if it is a tensor of `shape`; otherwise a failure that says what came back instead."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise ExerciseFailed(f"{what} should be a torch.Tensor, got {type(value).__name__}")
+    if tuple(value.shape) != tuple(shape):
+        raise ExerciseFailed(f"{what} should have shape {tuple(shape)}, got {tuple(value.shape)}")
+    return value
+
+
 def exercises(lab: str | None = None) -> list[Exercise]:
     """All registered exercises (of one lab), in the order their graders were defined."""
     _load_graders()

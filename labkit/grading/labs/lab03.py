@@ -6,19 +6,11 @@ import math
 import torch
 
 from labkit import worked_example as ref
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
 
 
 def _random(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _tensor_of_shape(value, shape, what):
-    if not isinstance(value, torch.Tensor):
-        raise ExerciseFailed(f"{what} should be a torch.Tensor, got {type(value).__name__}")
-    if tuple(value.shape) != tuple(shape):
-        raise ExerciseFailed(f"{what} should have shape {tuple(shape)}, got {tuple(value.shape)}")
-    return value
 
 
 def _close(a, b):
@@ -34,7 +26,7 @@ def build_x(ns):
     fn = require(ns, "build_x")
     embeddings, positional = _random(7, 3, seed=30), _random(8, 3, seed=31)
     token_ids = [4, 1, 6, 4]
-    got = _tensor_of_shape(fn(embeddings, positional, token_ids), (4, 3), "X for 4 tokens of d_model 3")
+    got = expect_tensor(fn(embeddings, positional, token_ids), (4, 3), "X for 4 tokens of d_model 3")
     ids = torch.tensor(token_ids)
     if _close(got, embeddings[ids]):
         raise ExerciseFailed("the positional encodings were not added: X[i] = E[token_i] + PE[i]")
@@ -52,7 +44,7 @@ def scaled_scores(ns):
     fn = require(ns, "scaled_scores")
     for n_q, n_k, d_k, seed in ((3, 5, 4, 32), (2, 2, 2, 33)):
         q, k = _random(n_q, d_k, seed=seed), _random(n_k, d_k, seed=seed + 100)
-        got = _tensor_of_shape(fn(q, k), (n_q, n_k), f"scores of {n_q} queries against {n_k} keys")
+        got = expect_tensor(fn(q, k), (n_q, n_k), f"scores of {n_q} queries against {n_k} keys")
         raw = q @ k.T
         if _close(got, raw):
             raise ExerciseFailed("scores were not divided by sqrt(d_k)")
@@ -69,7 +61,7 @@ def scaled_scores(ns):
 def causal_softmax(ns):
     fn = require(ns, "causal_softmax")
     scores = _random(4, 4, seed=34)
-    got = _tensor_of_shape(fn(scores.clone()), (4, 4), "weights for 4x4 scores")
+    got = expect_tensor(fn(scores.clone()), (4, 4), "weights for 4x4 scores")
     if torch.isnan(got).any() or (got.diagonal()[1:].abs() < 1e-12).all():
         raise ExerciseFailed("the mask hides the diagonal: a token must attend to itself "
                              "(and row 0 would have nothing left to attend to)")

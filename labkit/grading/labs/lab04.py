@@ -4,8 +4,8 @@ against `labkit.worked_example`, and name the usual mistakes."""
 import torch
 
 from labkit import worked_example as ref
-from labkit.grading import ExerciseFailed, exercise, require
-from labkit.grading.labs.lab03 import _close, _random, _tensor_of_shape
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.grading.labs.lab03 import _close, _random
 
 
 @exercise("04", "embed_token")
@@ -16,7 +16,7 @@ def embed_token(ns):
         got = fn(embeddings, positional, token_id, position)
         if isinstance(got, torch.Tensor) and tuple(got.shape) == (3,):
             raise ExerciseFailed("return one row of shape (1, d_model), not a flat vector: add .unsqueeze(0)")
-        got = _tensor_of_shape(got, (1, 3), "the new token's input row (1 x d_model)")
+        got = expect_tensor(got, (1, 3), "the new token's input row (1 x d_model)")
         row = embeddings[token_id]
         if _close(got[0], row):
             raise ExerciseFailed("the positional encoding was not added: X[t] = E[token] + PE[t]")
@@ -49,12 +49,12 @@ def append_and_attend(ns):
                                  f"{cached} cached rows and add the new one")
         if isinstance(value, torch.Tensor) and tuple(value.shape) == (cached, 2 * d_k):
             raise ExerciseFailed(f"{what} were appended along the feature axis; rows are positions (dim 0)")
-        _tensor_of_shape(value, (cached + 1, d_k), f"all {what} after appending one token")
+        expect_tensor(value, (cached + 1, d_k), f"all {what} after appending one token")
     if _close(keys, torch.cat([k_new, cache_k])):
         raise ExerciseFailed("the new K went in front: the cache keeps positions in order, the newest last")
     if not (_close(keys, torch.cat([cache_k, k_new])) and _close(values, torch.cat([cache_v, v_new]))):
         raise ExerciseFailed("all keys/values should be the cached rows followed by the new token's row")
-    out = _tensor_of_shape(out, (1, d_k), "the attention output of one query")
+    out = expect_tensor(out, (1, d_k), "the attention output of one query")
     expected = ref.attend(q, keys, values)[2]
     if _close(out, ref.attend(q, cache_k, cache_v)[2]):
         raise ExerciseFailed("attended over the old cache only: append first, a token attends to itself too")

@@ -5,21 +5,13 @@ mistakes."""
 import torch
 
 from labkit.attention.dense import causal_attention
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
 from labkit.model.layers import apply_rotary as ref_rotary
 from labkit.model.layers import rope_cos_sin, rope_inv_freq
 
 
 def _close(a, b, atol=1e-5):
     return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol)
-
-
-def _tensor(value, shape, what):
-    if not isinstance(value, torch.Tensor):
-        raise ExerciseFailed(f"return a tensor ({what}), got {type(value).__name__}")
-    if tuple(value.shape) != tuple(shape):
-        raise ExerciseFailed(f"{what} should have shape {tuple(shape)}, got {tuple(value.shape)}")
-    return value
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------
@@ -35,7 +27,7 @@ def rms_norm(ns):
     x, w = torch.randn(5, 16, generator=g), torch.rand(16, generator=g) + 0.5
     x[0] = 0.0  # an all-zero row: only eps keeps it finite
     eps = 0.1  # large, so where eps goes shows
-    got = _tensor(fn(x.clone(), w.clone(), eps), x.shape, "the normalised x")
+    got = expect_tensor(fn(x.clone(), w.clone(), eps), x.shape, "the normalised x")
     if not torch.isfinite(got).all():
         raise ExerciseFailed("an all-zero row gave NaN/inf: add eps inside the square root")
     if _close(got, _rms(x, 1.0, eps)):
@@ -74,7 +66,7 @@ def apply_rotary(ns):
     for theta in (10000.0, 100000.0):
         x = torch.randn(6, 3, 8, generator=g)
         positions = torch.tensor([0, 1, 2, 7, 30, 500])
-        got = _tensor(fn(x.clone(), positions, theta), x.shape, "the rotated x [T, heads, head_dim]")
+        got = expect_tensor(fn(x.clone(), positions, theta), x.shape, "the rotated x [T, heads, head_dim]")
         inv_freq = rope_inv_freq(8, theta)
         expected = ref_rotary(x, *rope_cos_sin(positions, inv_freq, torch.float32))
         if _close(got, x):
@@ -125,7 +117,7 @@ def attention_with_cache(ns):
     outs, start = [], 0
     for n in steps:
         s = slice(start, start + n)
-        out = _tensor(fn(q[s], k[s], v[s], cache), (n, hq, d), f"the output of {n} new queries [n, Hq, D]")
+        out = expect_tensor(fn(q[s], k[s], v[s], cache), (n, hq, d), f"the output of {n} new queries [n, Hq, D]")
         stored = cache.get("k")
         if not isinstance(stored, torch.Tensor) or stored.shape[:2] != (hkv, start + n):
             got = tuple(stored.shape) if isinstance(stored, torch.Tensor) else stored
