@@ -89,24 +89,27 @@ def main():
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size (labkit: max_num_seqs)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both (1 keeps figures stable on a shared CPU)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and KV cache, the same for both")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
 
     prompts, outputs = workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
     total_out = sum(outputs)
     batches = [range(i, min(i + args.hf_batch, len(prompts))) for i in range(0, len(prompts), args.hf_batch)]
     print(f"workload: {len(prompts)} requests, prompt lengths {args.prompt_len[0]}-{args.prompt_len[1]} "
           f"({sum(map(len, prompts))} tokens), output lengths {args.output_len[0]}-{args.output_len[1]} "
-          f"({total_out} tokens); SmolLM2-135M fp32 on {torch.get_num_threads()} CPU thread(s), timed in "
+          f"({total_out} tokens); SmolLM2-135M {args.dtype} on {torch.get_num_threads()} CPU thread(s), timed in "
           f"{'CPU' if torch.get_num_threads() == 1 else 'wall-clock'} seconds")
     useful = sum(map(len, prompts)) + total_out
     padded = sum(len(b) * (max(len(prompts[i]) for i in b) + max(outputs[i] for i in b)) for b in batches)
     print(f"token positions computed: labkit {useful}, transformers {padded} with padding "
           f"({padded / useful:.2f}x: the ratio to expect if a position cost both the same)")
 
-    llm = LLM("smollm2", device="cpu", max_num_seqs=args.hf_batch, max_num_batched_tokens=2048)
+    llm = LLM("smollm2", device="cpu", dtype=dtype, max_num_seqs=args.hf_batch, max_num_batched_tokens=2048)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
     t_labkit = time_it(lambda: llm.generate(prompts, params))
@@ -114,7 +117,7 @@ def main():
     print(f"labkit:       {t_labkit:7.1f} s, {tput_labkit:7.1f} output tok/s "
           f"({llm.metrics.num_preemptions} preemptions)")
 
-    hf, _ = load_transformers_model("smollm2")
+    hf, _ = load_transformers_model("smollm2", dtype=dtype)
     hf_generate(hf, prompts[:2], 2)  # warm-up
     t_hf = sum(time_it(lambda b=b: hf_generate(hf, [prompts[i] for i in b], max(outputs[i] for i in b)))
                for b in batches)
