@@ -4,8 +4,8 @@ Per call it (1) stores the step's new K/V into the slots `meta.slot_mapping` nam
 (2) attends causally over each sequence's whole context through `meta.block_tables`. Two
 implementations of the same contract:
 
-- "torch": `labkit.attention.reference` (a vectorized gather plus one padded attention per layer),
-  the default on CPU;
+- "torch": `labkit.attention.reference` (a vectorized gather plus one fused attention per layer,
+  with the step's masks and indices planned once by its first layer), the default on CPU;
 - "triton": `labkit.attention.triton_kernels`, the default on CUDA; on a CPU it runs only under
   the Triton interpreter (TRITON_INTERPRET=1 set before triton is first imported), which is slow
   and meant for tests and the lab.
@@ -50,6 +50,7 @@ class PagedAttentionBackend:
             self._store, self._kernels = triton_kernels.store_kvcache, triton_kernels
         else:
             self._store, self._kernels = store_kv, None
+        self._plan = None  # (metadata, plan) of the step being run
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -58,16 +59,14 @@ class PagedAttentionBackend:
         k_cache, v_cache = self.storage.layer(layer)
         if meta.slot_mapping is not None:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
-        # torch.equal reads the tensors back to the host, so the Triton path (which CUDA graphs capture) avoids it.
-        if meta.block_tables is None:
-            if not torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k):
-                raise ValueError("meta.block_tables is None but cu_seqlens_k differs from cu_seqlens_q: "
-                                 "a step over cached tokens needs block tables")
-            return reference.varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
-        if self._kernels is not None:
+        if self._kernels is not None and meta.block_tables is not None:
             return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                  meta.cu_seqlens_k, meta.max_seqlen_q)
-        if torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k):  # all keys are new tokens: no gather needed
-            return reference.varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
-        return reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                         meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
+        return self._plan_for(meta, q.shape[1] // k.shape[1]).run(q, k, v, k_cache, v_cache)
+
+    def _plan_for(self, meta: AttentionMetadata, group: int) -> reference.PagedAttentionPlan:
+        """The step's plan: made by its first layer, reused by the others (the metadata is immutable)."""
+        if self._plan is None or self._plan[0] is not meta:
+            self._plan = meta, reference.PagedAttentionPlan(meta.cu_seqlens_q, meta.cu_seqlens_k, meta.block_tables,
+                                                            self.storage.block_size, group)
+        return self._plan[1]

@@ -67,32 +67,17 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int | No
     bs = cache.shape[1]
     num_blocks = block_tables.shape[1] if max_len is None else -(-max_len // bs)
     tables = block_tables[:, :num_blocks].clamp(min=0).long()
-    # index_select on whole blocks (one row each) is a plain row copy, several times faster on a CPU
-    # than the equivalent advanced indexing cache[tables].
-    gathered = cache.flatten(1).index_select(0, tables.flatten())  # [B * num_blocks, bs * H * D]
-    gathered = gathered.view(tables.shape[0], num_blocks * bs, *cache.shape[2:])
+    gathered = _gather_blocks(cache, tables.flatten(), tables.shape[0])
     return gathered if max_len is None else gathered[:, :max_len]
 
 
-def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Tensor,
-                      k_lens: torch.Tensor) -> torch.Tensor:
-    """Causal attention over a padded batch: q [B, Lq, H, D], k/v [B, Lk, Hkv, D] -> [B, Lq, H, D].
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """cache [N, bs, H, D] and num_seqs * M block ids -> [num_seqs, M * bs, H, D].
 
-    Sequence b's Lq_b queries sit at the end of its Lk_b keys; a boolean mask says which keys each
-    query sees. The query heads that share a KV head are folded into the query rows (the grouped-query
-    trick decode kernels use), so torch's fused SDPA reads each KV head once, through strides, with no
-    repeated or copied K/V. Padded rows come out as finite junk.
-    """
-    b, lq, num_heads, d = q.shape
-    lk, num_kv_heads = k.shape[1], k.shape[2]
-    group = _group_size(num_heads, num_kv_heads)
-    q_rows = q.view(b, lq, num_kv_heads, group, d).permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, lq * group, d)
-    q_pos = (k_lens - q_lens)[:, None] + torch.arange(lq, device=q.device)  # [B, Lq]
-    k_pos = torch.arange(lk, device=q.device)
-    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < k_lens[:, None, None])
-    visible = visible.repeat_interleave(group, dim=1)[:, None]  # [B, 1, Lq * group, Lk]
-    out = F.scaled_dot_product_attention(q_rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
-    return out.view(b, num_kv_heads, lq, group, d).permute(0, 2, 1, 3, 4).reshape(b, lq, num_heads, d)
+    index_select of whole blocks (one row each) is a plain row copy, several times faster on a CPU
+    than the equivalent advanced indexing cache[tables]."""
+    rows = cache.flatten(1).index_select(0, block_ids)
+    return rows.view(num_seqs, -1, *cache.shape[2:])
 
 
 def _flat_to_padded_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,49 +88,129 @@ def _flat_to_padded_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch
     return seq_index, pos
 
 
+class _PaddedGroup:
+    """Sequences attended together as one padded [B, Lq] x [B, Lk] batch."""
+
+    def __init__(self, tokens, q_lens, k_lens, block_tables, block_size: int, group: int):
+        self.tokens = tokens  # rows of the flat batch in this group; None: all of them, in order
+        self.num_seqs, self.max_q, self.max_k = q_lens.numel(), int(q_lens.max()), int(k_lens.max())
+        cu_q = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
+        # Equal query lengths (every decode step) need no padding: a view of q is the padded batch.
+        self.needs_padding = self.num_seqs * self.max_q != int(cu_q[-1])
+        self.seq_index, self.pos = _flat_to_padded_index(cu_q)
+        self.block_ids = None
+        if block_tables is not None:
+            num_blocks = -(-self.max_k // block_size)
+            self.block_ids = block_tables[:, :num_blocks].clamp(min=0).long().flatten()
+        # Query i of a sequence with Lq queries and Lk keys sits at position Lk - Lq + i and sees keys
+        # up to there; keys past Lk are padding. Rows are repeated per query head of a KV head (below).
+        device = q_lens.device
+        q_pos = (k_lens - q_lens)[:, None] + torch.arange(self.max_q, device=device)
+        k_pos = torch.arange(self.max_k, device=device)
+        visible = (k_pos <= q_pos[:, :, None]) & (k_pos < k_lens[:, None, None])
+        self.visible = visible.repeat_interleave(group, dim=1)[:, None]  # [B, 1, Lq * group, Lk]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Flat rows [T, ...] of this group -> [B, max_q, ...]."""
+        if not self.needs_padding:
+            return x.view(self.num_seqs, self.max_q, *x.shape[1:])
+        return x.new_zeros(self.num_seqs, self.max_q, *x.shape[1:]).index_put_((self.seq_index, self.pos), x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1) if not self.needs_padding else x[self.seq_index, self.pos]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q: this group's flat rows; keys/values: block pools (paged) or its flat new tokens' K/V."""
+        if self.block_ids is None:
+            k, v = self.pad(keys), self.pad(values)
+        else:
+            k = _gather_blocks(keys, self.block_ids, self.num_seqs)[:, :self.max_k]
+            v = _gather_blocks(values, self.block_ids, self.num_seqs)[:, :self.max_k]
+        return self.unpad(_padded_attention(self.pad(q), k, v, self.visible))
+
+
+class PagedAttentionPlan:
+    """Everything a step's attention needs besides q, k, v and the caches, computed once per step.
+
+    Every layer of a step attends with the same lengths and block tables: which padded row each
+    token lands in, which blocks to gather, which keys each query sees. Working those out takes a
+    dozen small tensor ops; doing it once for all layers instead of in each is FlashInfer's plan/run
+    split. Decode rows (one query each) and longer queries run as two groups when a batch mixes
+    them, so a decode is never padded to the longest prompt. `block_tables=None` means nothing is
+    cached: keys and values are the new tokens' own.
+    """
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_tables: torch.Tensor | None,
+                 block_size: int, group: int, always_read_cache: bool = False):
+        q_lens, k_lens = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+        only_new_tokens = torch.equal(q_lens, k_lens)
+        if block_tables is None and not only_new_tokens:
+            raise ValueError("block_tables is None but cu_seqlens_k differs from cu_seqlens_q: "
+                             "a step over cached tokens needs block tables")
+        # A batch with no cached prefix can attend over the new tokens' own K/V: no gather needed.
+        self.reads_cache = block_tables is not None and (always_read_cache or not only_new_tokens)
+        is_decode = q_lens == 1
+        if not self.reads_cache or not bool(is_decode.any()) or bool(is_decode.all()):
+            tables = block_tables if self.reads_cache else None
+            self.groups = [_PaddedGroup(None, q_lens, k_lens, tables, block_size, group)]
+        else:
+            seq_index, _ = _flat_to_padded_index(cu_seqlens_q)
+            self.groups = [_PaddedGroup(torch.nonzero(rows[seq_index]).flatten(), q_lens[rows], k_lens[rows],
+                                        block_tables[rows], block_size, group)
+                           for rows in (is_decode, ~is_decode)]
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None = None,
+            v_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] and k/v [T, Hkv, D] of the new tokens; the caches, already holding them."""
+        keys, values = (k_cache, v_cache) if self.reads_cache else (k, v)
+        if len(self.groups) == 1:
+            return self.groups[0].attend(q, keys, values).to(q.dtype)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            out[g.tokens] = g.attend(q[g.tokens], keys, values).to(q.dtype)
+        return out
+
+
+def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Attention over a padded batch: q [B, Lq, H, D], k/v [B, Lk, Hkv, D], visible [B, 1, Lq * group, Lk]
+    -> [B, Lq, H, D].
+
+    The query heads that share a KV head are folded into the query rows (the grouped-query trick
+    decode kernels use), so torch's fused SDPA reads each KV head once, through strides, with no
+    repeated or copied K/V. Padded rows come out as finite junk.
+    """
+    b, lq, num_heads, d = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    q_rows = q.view(b, lq, num_kv_heads, group, d).permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, lq * group, d)
+    out = F.scaled_dot_product_attention(q_rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
+    return out.view(b, num_kv_heads, lq, group, d).permute(0, 2, 1, 3, 4).reshape(b, lq, num_heads, d)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int) -> torch.Tensor:
-    """Causal attention of a flat batch of whole sequences (no cache): q [T,H,D], k/v [T,Hkv,D]."""
-    seq_index, pos = _flat_to_padded_index(cu_seqlens)
-    lens, b = cu_seqlens.diff(), cu_seqlens.numel() - 1
-    pad = lambda x: x.new_zeros(b, max_seqlen, *x.shape[1:]).index_put_((seq_index, pos), x)  # noqa: E731
-    out = _padded_attention(pad(q), pad(k), pad(v), lens, lens)
-    return out[seq_index, pos].to(q.dtype)
+                     max_seqlen: int | None = None) -> torch.Tensor:
+    """Causal attention of a flat batch of whole sequences (no cache): q [T,H,D], k/v [T,Hkv,D].
+    (max_seqlen is accepted for flash-attention's signature; the plan reads it off the lengths.)"""
+    group = _group_size(q.shape[1], k.shape[1])
+    return PagedAttentionPlan(cu_seqlens, cu_seqlens, None, 1, group).run(q, k, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
+                    max_seqlen_k: int | None = None) -> torch.Tensor:
     """Varlen causal attention over paged KV: prefill, prefill over a cached prefix, chunked prefill
     and decode (Lq = 1) in one batch. q [T, H, D]; caches [N, block_size, Hkv, D], already holding
-    the new tokens' K/V; block_tables [B, M]. Vectorized: one gather, one padded attention; a batch
-    mixing decodes with longer queries runs as two such groups, so decode rows are not padded to
-    the longest prompt."""
-    q_lens, k_lens = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-    is_decode = q_lens == 1
-    if bool(is_decode.any()) and not bool(is_decode.all()):
-        seq_index, _ = _flat_to_padded_index(cu_seqlens_q)
-        out = torch.empty_like(q)
-        for group in (is_decode, ~is_decode):
-            tokens = group[seq_index]
-            cu_q = torch.nn.functional.pad(q_lens[group].cumsum(0), (1, 0))
-            cu_k = torch.nn.functional.pad(k_lens[group].cumsum(0), (1, 0))
-            out[tokens] = paged_attention(q[tokens], k_cache, v_cache, block_tables[group], cu_q, cu_k,
-                                          int(q_lens[group].max()), int(k_lens[group].max()))
-        return out
-    seq_index, pos = _flat_to_padded_index(cu_seqlens_q)
-    q_pad = q.new_zeros(q_lens.numel(), max_seqlen_q, *q.shape[1:]).index_put_((seq_index, pos), q)
-    k_pad = gather_kv(k_cache, block_tables, max_seqlen_k)
-    v_pad = gather_kv(v_cache, block_tables, max_seqlen_k)
-    out = _padded_attention(q_pad, k_pad, v_pad, q_lens, k_lens)
-    return out[seq_index, pos].to(q.dtype)
+    the new tokens' K/V; block_tables [B, M]. Vectorized: per group one gather, one fused attention.
+    (The max lengths are accepted for the kernels' signature; the plan reads them off the lengths.)"""
+    group = _group_size(q.shape[1], k_cache.shape[2])
+    plan = PagedAttentionPlan(cu_seqlens_q, cu_seqlens_k, block_tables, k_cache.shape[1], group,
+                              always_read_cache=True)
+    return plan.run(q, None, None, k_cache, v_cache)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """One new token per sequence, q [B, H, D], attending to its whole context by gather."""
-    b = q.shape[0]
-    k_pad = gather_kv(k_cache, block_tables, int(context_lens.max()))
-    v_pad = gather_kv(v_cache, block_tables, int(context_lens.max()))
-    ones = torch.ones(b, dtype=context_lens.dtype, device=q.device)
-    return _padded_attention(q[:, None], k_pad, v_pad, ones, context_lens)[:, 0].to(q.dtype)
+    cu_q = torch.arange(q.shape[0] + 1, device=q.device)
+    cu_k = torch.nn.functional.pad(context_lens.long().cumsum(0), (1, 0))
+    return paged_attention(q, k_cache, v_cache, block_tables, cu_q, cu_k)
