@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from labkit.attention import reference  # noqa: E402
 from labkit.attention.metadata import AttentionMetadata  # noqa: E402
 from labkit.attention.paged import PagedAttentionBackend, resolve_backend  # noqa: E402
 from labkit.cache.block_manager import BlockManager  # noqa: E402
@@ -122,3 +123,23 @@ def test_backend_choice_and_errors(monkeypatch):
     meta = AttentionMetadata(torch.tensor([0, 3]), torch.tensor([0, 5]), 3, 5)
     with pytest.raises(ValueError, match="needs block tables"):
         backend(0, q, q[:, :1], q[:, :1], meta)
+
+
+def test_torch_backend_plans_each_step_once_and_never_reuses_a_stale_plan():
+    """Two steps with the same lengths but different block tables: the second must not attend over
+    the first one's blocks, and a step's layers share one plan."""
+    torch.manual_seed(0)
+    storage = PagedKVStorage(num_layers=2, num_blocks=8, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=16)
+    storage.kv.normal_()
+    backend = PagedAttentionBackend(storage, "torch")
+    q, k, v = torch.randn(2, 6, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 1, 2]), torch.tensor([0, 5, 10])
+    plans = []
+    for tables in (torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([[2], [3]], dtype=torch.int32)):
+        meta = AttentionMetadata(cu_q, cu_k, 1, 5, None, tables)
+        for layer in range(2):
+            got = backend(layer, q, k, v, meta)
+            k_cache, v_cache = storage.layer(layer)
+            torch.testing.assert_close(got, reference.paged_attention(q, k_cache, v_cache, tables, cu_q, cu_k))
+            plans.append(backend._plan[1])
+    assert plans[0] is plans[1] and plans[2] is plans[3] and plans[1] is not plans[2]
