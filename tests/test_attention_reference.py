@@ -68,7 +68,7 @@ def test_online_softmax_over_blocks_matches_sdpa():
 def test_paged_attention_mixes_prefill_cached_prefix_chunk_and_decode(block_size):
     k_lens, q_lens = [13, 1, 30, 20, 8], [13, 1, 1, 7, 3]  # prefill, one token, decode, prefix+new, chunk
     q, k_cache, v_cache, tables, cu_q, cu_k = paged_setup(k_lens, q_lens, 2, 16, block_size, 6)
-    got = reference.paged_attention(q, k_cache, v_cache, tables, cu_q, cu_k, max(q_lens), max(k_lens))
+    got = reference.paged_attention(q, k_cache, v_cache, tables, cu_q, cu_k)
     for b in range(len(k_lens)):
         qs = q[cu_q[b]:cu_q[b + 1]]
         expected = sdpa(qs, contiguous_kv(k_cache, tables[b], k_lens[b]), contiguous_kv(v_cache, tables[b], k_lens[b]))
@@ -86,7 +86,7 @@ def test_paged_decode_and_varlen_agree_with_sdpa():
     lens = [4, 1, 6]
     cu = torch.tensor([0, *lens]).cumsum(0)
     q, k, v = torch.randn(11, 4, 8, generator=g), torch.randn(11, 2, 8, generator=g), torch.randn(11, 2, 8, generator=g)
-    got = reference.varlen_attention(q, k, v, cu, max(lens))
+    got = reference.varlen_attention(q, k, v, cu)
     for b in range(3):
         s = slice(cu[b], cu[b + 1])
         torch.testing.assert_close(got[s], sdpa(q[s], k[s], v[s]), atol=1e-5, rtol=1e-5)

@@ -71,12 +71,13 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int | No
     return gathered if max_len is None else gathered[:, :max_len]
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """cache [N, bs, H, D] and num_seqs * M block ids -> [num_seqs, M * bs, H, D].
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache [N, bs, H, D] and num_seqs * M block ids -> [num_seqs, M * bs, H, D], into `out` if given.
 
     index_select of whole blocks (one row each) is a plain row copy, several times faster on a CPU
     than the equivalent advanced indexing cache[tables]."""
-    rows = cache.flatten(1).index_select(0, block_ids)
+    rows = torch.index_select(cache.flatten(1), 0, block_ids, out=out)
     return rows.view(num_seqs, -1, *cache.shape[2:])
 
 
@@ -99,6 +100,7 @@ class _PaddedGroup:
         self.needs_padding = self.num_seqs * self.max_q != int(cu_q[-1])
         self.seq_index, self.pos = _flat_to_padded_index(cu_q)
         self.block_ids = None
+        self.gathered_k = self.gathered_v = None  # workspace the layers gather into, one after another
         if block_tables is not None:
             num_blocks = -(-self.max_k // block_size)
             self.block_ids = block_tables[:, :num_blocks].clamp(min=0).long().flatten()
@@ -124,8 +126,13 @@ class _PaddedGroup:
         if self.block_ids is None:
             k, v = self.pad(keys), self.pad(values)
         else:
-            k = _gather_blocks(keys, self.block_ids, self.num_seqs)[:, :self.max_k]
-            v = _gather_blocks(values, self.block_ids, self.num_seqs)[:, :self.max_k]
+            if self.gathered_k is None:
+                # Allocated once per step, not per layer: a fresh multi-MB buffer per layer costs the
+                # page faults of memory the allocator hands back to the OS and maps again each time.
+                self.gathered_k = keys.new_empty(self.block_ids.numel(), keys[0].numel())
+                self.gathered_v = values.new_empty(self.block_ids.numel(), values[0].numel())
+            k = _gather_blocks(keys, self.block_ids, self.num_seqs, self.gathered_k)[:, :self.max_k]
+            v = _gather_blocks(values, self.block_ids, self.num_seqs, self.gathered_v)[:, :self.max_k]
         return self.unpad(_padded_attention(self.pad(q), k, v, self.visible))
 
 
@@ -187,21 +194,17 @@ def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     return out.view(b, num_kv_heads, lq, group, d).permute(0, 2, 1, 3, 4).reshape(b, lq, num_heads, d)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int | None = None) -> torch.Tensor:
-    """Causal attention of a flat batch of whole sequences (no cache): q [T,H,D], k/v [T,Hkv,D].
-    (max_seqlen is accepted for flash-attention's signature; the plan reads it off the lengths.)"""
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a flat batch of whole sequences (no cache): q [T,H,D], k/v [T,Hkv,D]."""
     group = _group_size(q.shape[1], k.shape[1])
     return PagedAttentionPlan(cu_seqlens, cu_seqlens, None, 1, group).run(q, k, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
-                    max_seqlen_k: int | None = None) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
     """Varlen causal attention over paged KV: prefill, prefill over a cached prefix, chunked prefill
     and decode (Lq = 1) in one batch. q [T, H, D]; caches [N, block_size, Hkv, D], already holding
-    the new tokens' K/V; block_tables [B, M]. Vectorized: per group one gather, one fused attention.
-    (The max lengths are accepted for the kernels' signature; the plan reads them off the lengths.)"""
+    the new tokens' K/V; block_tables [B, M]. Vectorized: per group one gather, one fused attention."""
     group = _group_size(q.shape[1], k_cache.shape[2])
     plan = PagedAttentionPlan(cu_seqlens_q, cu_seqlens_k, block_tables, k_cache.shape[1], group,
                               always_read_cache=True)
