@@ -4,6 +4,8 @@ SmolLM2 (labkit's and transformers') is loaded once for the module; every engine
 labkit's copy. Outputs are short so the module stays well under a minute and a half.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -153,4 +155,25 @@ def test_bad_inputs_get_clear_errors_and_leave_the_engine_usable(smollm2):
         LLM("no-such-model")
     assert not llm.has_unfinished_requests()
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == expected[0]
+    assert_no_leak(llm)
+
+
+def test_bfloat16_engine_follows_its_own_dense_forward_where_the_choice_is_clear(smollm2):
+    """The engine in bf16 (bench_engine's --dtype): KV storage, paged attention and sampling in that
+    dtype pick the same first token as the same bf16 weights run densely, for every prompt whose
+    top two logits are clearly apart (a near tie may flip either way under bf16 rounding)."""
+    model, tokenizer, _ = smollm2
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    llm = LLM(bf16, tokenizer=tokenizer, num_kvcache_blocks=64)
+    assert llm.storage.kv.dtype == torch.bfloat16
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    clear = 0
+    with torch.inference_mode():
+        for text, out in zip(PROMPTS, outputs, strict=True):
+            top2 = bf16(torch.tensor(tokenizer.encode(text)))[-1].float().topk(2)
+            if top2.values[0] - top2.values[1] > 0.5:
+                clear += 1
+                assert out.token_ids[0] == int(top2.indices[0]), text
+            assert len(out.token_ids) == 4
+    assert clear >= 3
     assert_no_leak(llm)
