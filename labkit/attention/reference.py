@@ -95,7 +95,7 @@ class _PaddedGroup:
     def __init__(self, tokens, q_lens, k_lens, block_tables, block_size: int, group: int):
         self.tokens = tokens  # rows of the flat batch in this group; None: all of them, in order
         self.num_seqs, self.max_q, self.max_k = q_lens.numel(), int(q_lens.max()), int(k_lens.max())
-        cu_q = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
+        cu_q = F.pad(q_lens.cumsum(0), (1, 0))
         # Equal query lengths (every decode step) need no padding: a view of q is the padded batch.
         self.needs_padding = self.num_seqs * self.max_q != int(cu_q[-1])
         self.seq_index, self.pos = _flat_to_padded_index(cu_q)
@@ -215,5 +215,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """One new token per sequence, q [B, H, D], attending to its whole context by gather."""
     cu_q = torch.arange(q.shape[0] + 1, device=q.device)
-    cu_k = torch.nn.functional.pad(context_lens.long().cumsum(0), (1, 0))
+    cu_k = F.pad(context_lens.long().cumsum(0), (1, 0))
     return paged_attention(q, k_cache, v_cache, block_tables, cu_q, cu_k)
