@@ -123,6 +123,9 @@ def test_backend_choice_and_errors(monkeypatch):
     meta = AttentionMetadata(torch.tensor([0, 3]), torch.tensor([0, 5]), 3, 5)
     with pytest.raises(ValueError, match="needs block tables"):
         backend(0, q, q[:, :1], q[:, :1], meta)
+    k = torch.randn(3, 2, 4)
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+        backend(0, torch.randn(3, 3, 4), k, k, AttentionMetadata.causal([3]))
 
 
 def test_torch_backend_plans_each_step_once_and_never_reuses_a_stale_plan():

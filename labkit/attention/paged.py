@@ -62,7 +62,7 @@ class PagedAttentionBackend:
         if self._kernels is not None and meta.block_tables is not None:
             return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                  meta.cu_seqlens_k, meta.max_seqlen_q)
-        return self._plan_for(meta, q.shape[1] // k.shape[1]).run(q, k, v, k_cache, v_cache)
+        return self._plan_for(meta, reference.gqa_group_size(q.shape[1], k.shape[1])).run(q, k, v, k_cache, v_cache)
 
     def _plan_for(self, meta: AttentionMetadata, group: int) -> reference.PagedAttentionPlan:
         """The step's plan: made by its first layer, reused by the others (the metadata is immutable)."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _group_size(num_heads: int, num_kv_heads: int) -> int:
+def gqa_group_size(num_heads: int, num_kv_heads: int) -> int:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     return num_heads // num_kv_heads
@@ -24,7 +24,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """One sequence: softmax(q k^T / sqrt(D) + causal mask) v, with q [Lq,H,D], k/v [Lk,Hkv,D]."""
     lq, num_heads, d = q.shape
     lk = k.shape[0]
-    group = _group_size(num_heads, k.shape[1])
+    group = gqa_group_size(num_heads, k.shape[1])
     kf = k.float().repeat_interleave(group, dim=1)  # [Lk, H, D]
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(d)
@@ -196,7 +196,7 @@ def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Causal attention of a flat batch of whole sequences (no cache): q [T,H,D], k/v [T,Hkv,D]."""
-    group = _group_size(q.shape[1], k.shape[1])
+    group = gqa_group_size(q.shape[1], k.shape[1])
     return PagedAttentionPlan(cu_seqlens, cu_seqlens, None, 1, group).run(q, k, v)
 
 
@@ -205,7 +205,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Varlen causal attention over paged KV: prefill, prefill over a cached prefix, chunked prefill
     and decode (Lq = 1) in one batch. q [T, H, D]; caches [N, block_size, Hkv, D], already holding
     the new tokens' K/V; block_tables [B, M]. Vectorized: per group one gather, one fused attention."""
-    group = _group_size(q.shape[1], k_cache.shape[2])
+    group = gqa_group_size(q.shape[1], k_cache.shape[2])
     plan = PagedAttentionPlan(cu_seqlens_q, cu_seqlens_k, block_tables, k_cache.shape[1], group,
                               always_read_cache=True)
     return plan.run(q, None, None, k_cache, v_cache)
