@@ -35,6 +35,9 @@ class Exercise:
     name: str
     points: int
     grader: Callable[[dict], str | None]
+    # Dotted paths ("labkit.sampling.filter_logits", "torch.softmax") that answer this exercise:
+    # calling one while the student's code is graded fails the exercise.
+    forbidden: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,14 +57,17 @@ class Outcome:
 _REGISTRY: dict[tuple[str, str], Exercise] = {}
 
 
-def exercise(lab: str, name: str, points: int = 1):
-    """Register the decorated function as the grader of exercise `name` in lab `lab` ("03")."""
+def exercise(lab: str, name: str, points: int = 1, forbidden: tuple[str, ...] = ()):
+    """Register the decorated function as the grader of exercise `name` in lab `lab` ("03").
+
+    `forbidden` names what the student may not call while graded (the exercise's own answer).
+    """
 
     def register(grader):
         key = (lab, name)
         if key in _REGISTRY and _REGISTRY[key].grader.__qualname__ != grader.__qualname__:
             raise ValueError(f"exercise {lab}/{name} is registered twice")
-        _REGISTRY[key] = Exercise(lab, name, points, grader)
+        _REGISTRY[key] = Exercise(lab, name, points, grader, tuple(forbidden))
         return grader
 
     return register
