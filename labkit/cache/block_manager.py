@@ -263,7 +263,7 @@ class BlockManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    # ---- swapping (seed 004's Swapped state) ---------------------------------------------------
+    # ---- swapping (the sequence design note's Swapped state) -----------------------------------
     def swap_out(self, seq: SequenceBlocks, storage: BlockStorage) -> None:
         """Copy a running sequence's K/V to CPU memory and free its blocks; num_cached_tokens is kept."""
         if not seq.block_table:

@@ -1,6 +1,6 @@
 """Paged KV storage: per layer, K and V as [num_blocks, block_size, num_kv_heads, head_dim].
 
-This is the nano-vLLM / vLLM v1 layout (seed 004): one token's K (or V) for all its KV heads is a
+This is the nano-vLLM / vLLM v1 layout (the sequence design note): one token's K (or V) for all its KV heads is a
 contiguous row, and a *slot* `block_id * block_size + offset` addresses it in the flattened view
 [num_blocks * block_size, num_kv_heads, head_dim]. The BlockManager decides which blocks a sequence
 owns; this module only holds the tensors and turns block tables into slots.

@@ -4,7 +4,7 @@
     outputs = llm.generate(["The capital of France is", "Hello"], SamplingParams(max_tokens=20))
     outputs[0].text, outputs[0].token_ids, outputs[0].finish_reason, outputs[0].metrics.ttft
 
-Each `step()` is seed 001's engine loop: the scheduler picks the batch, the model runner runs one
+Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model runner runs one
 forward pass over it and samples, and the engine appends the tokens, detokenizes them
 incrementally, checks the stop rules and releases what finished.
 """

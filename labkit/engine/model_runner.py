@@ -1,5 +1,5 @@
 """The ModelRunner turns one scheduled step into tensors, runs the model over the paged KV cache and
-samples the next tokens (seed 001, "Preparation before each iteration").
+samples the next tokens (the nano-vLLM walk-through, "Preparation before each iteration").
 
 Each step, for the scheduled sequences and the number of new tokens each computes:
 

@@ -2,7 +2,7 @@
 
 Every step has a token budget (`max_num_batched_tokens`) and a sequence budget (`max_num_seqs`).
 The scheduler fills it in a fixed order, highest priority first and, within a priority, first come
-first served (seed 004):
+first served (the sequence design note):
 
 1. RUNNING sequences: a decode costs one token; a prompt being prefilled in chunks takes what is
    left of the budget. A decode whose next token needs a new KV block and finds none preempts the

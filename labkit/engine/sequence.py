@@ -1,6 +1,6 @@
 """One request's whole life in the engine: its tokens, its KV blocks, its state and its timings.
 
-The lifecycle is seed 004's:
+The lifecycle is the sequence design note's ("Sequence & KV Cache"):
 
     WAITING --schedule--> RUNNING --EOS / max tokens / stop string / abort--> FINISHED
        ^                    |  ^
@@ -32,7 +32,7 @@ class SequenceStatus(Enum):
 
 
 class FinishReason(str, Enum):
-    """Seed 004's four reasons. vLLM reports EOS and STOP both as "stop"; labkit keeps them apart."""
+    """The sequence design note's four reasons. vLLM reports EOS and STOP both as "stop"; labkit keeps them apart."""
 
     EOS = "eos"  # the model produced an end-of-sequence token
     MAX_TOKENS = "length"  # max_tokens (or max_model_len) reached: vLLM's "length"
