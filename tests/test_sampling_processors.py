@@ -1,5 +1,7 @@
 """allowed_token_ids, logit_bias and min_tokens: the additive tensor, the sampler, and the stop check."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -47,3 +49,12 @@ def test_stop_rules_wait_for_min_tokens():
     assert check_stop(params, [1, 7], "ax", 1, EOS) is None  # a stop token and a stop string, too early
     assert check_stop(params, [1, 2, 7], "abx", 1, EOS).stop_reason == 7
     assert check_stop(SamplingParams(min_tokens=2), [EOS], "", 0, EOS) is None
+
+
+def test_a_validated_request_can_be_copied_with_another_seed():
+    """The engine derives each sample's params with dataclasses.replace(params, seed=seed + i)."""
+    params = SamplingParams(logit_bias={1: 2.0}, allowed_token_ids=[1, 2], stop_token_ids=[3], seed=5, n=2)
+    child = dataclasses.replace(params, seed=6)
+    assert child.logit_bias == {1: 2.0} and child.allowed_token_ids == (1, 2) and child.seed == 6
+    with pytest.raises(TypeError):
+        params.logit_bias[1] = 0.0  # read-only: a validated request cannot change afterwards

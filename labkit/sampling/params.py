@@ -6,6 +6,7 @@ trust every value it packs into a tensor and a bad request fails where it was wr
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -101,7 +102,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         if self.logit_bias is not None and not (
-            isinstance(self.logit_bias, dict)
+            isinstance(self.logit_bias, Mapping)
             and all(_is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items())
         ):
             raise ValueError(f"logit_bias must be a dict of token id (integer >= 0) to a finite number, "
