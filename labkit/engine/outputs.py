@@ -36,7 +36,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None  # first entry None: nothing predicts token 0
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics
+    metrics: RequestMetrics  # sample 0's timings and token counts
 
     @property
     def text(self) -> str:
