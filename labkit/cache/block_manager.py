@@ -126,13 +126,13 @@ class BlockManager:
     def is_swapped(self, seq: SequenceBlocks) -> bool:
         return seq.seq_id in self._swapped
 
-    def prefix_hits(self, token_ids: list[int], use_prefix_cache: bool = True) -> list[Block]:
+    def prefix_hits(self, token_ids: list[int]) -> list[Block]:
         """The cached blocks a prompt can reuse: full blocks from the start, stopping at the first miss.
 
         Only blocks that lie wholly before the last token count, so at least one token is left
         to compute (the logits of the last prompt token are what the step is for).
         """
-        if not (self.enable_prefix_caching and use_prefix_cache):
+        if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         hits: list[Block] = []
@@ -153,7 +153,7 @@ class BlockManager:
 
     # ---- prefill -------------------------------------------------------------------------
     def can_allocate(self, seq: SequenceBlocks, use_prefix_cache: bool = True) -> bool:
-        hits = self.prefix_hits(seq.token_ids, use_prefix_cache)
+        hits = self.prefix_hits(seq.token_ids) if use_prefix_cache else []
         return self._blocks_to_take(seq.token_ids, hits) <= self.num_free_blocks
 
     def allocate(self, seq: SequenceBlocks, use_prefix_cache: bool = True) -> None:
@@ -168,7 +168,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id!r} is swapped out; use swap_in, not allocate")
         if not seq.token_ids:
             raise ValueError(f"sequence {seq.seq_id!r} has no tokens to allocate blocks for")
-        hits = self.prefix_hits(seq.token_ids, use_prefix_cache)
+        hits = self.prefix_hits(seq.token_ids) if use_prefix_cache else []
         need = self._blocks_to_take(seq.token_ids, hits)
         if need > self.num_free_blocks:
             raise KVCacheExhausted(
