@@ -260,3 +260,86 @@ def test_lab09_claim_shared_system_prompt_hits_whole_blocks_only(block_size, hit
     for i in range(8):
         prefill(bm, BlockSequence(i, system + torch.randint(100, 1000, (6,), generator=g).tolist()))
     assert bm.stats.hit_tokens == hit_tokens and bm.stats.queried_tokens == 8 * 46
+
+
+def test_fork_shares_every_block_and_copy_on_write_copies_only_the_written_partial_block():
+    storage = PagedKVStorage(num_layers=2, num_blocks=8, block_size=8, num_kv_heads=1, head_dim=4)
+    storage.kv.copy_(torch.randn(storage.kv.shape))
+    bm = BlockManager(num_blocks=8, block_size=8)
+    parent = BlockSequence("p", list(range(12)))  # one full block, one partial (4 of 8 tokens)
+    prefill(bm, parent)
+    children = [BlockSequence(f"c{i}", list(range(12))) for i in range(3)]
+    for child in children:
+        bm.fork(parent, child)
+    assert bm.num_free_blocks == 6, "a fork takes no block"
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [4, 4]
+    bm.check_invariants([parent, *children])
+    full, partial = parent.block_table
+    before = storage.read_blocks([partial])
+
+    child = children[0]
+    child.token_ids.append(100)  # its first own token lands in the shared partial block
+    assert bm.can_append(child)
+    copies = bm.append(child)
+    assert copies == [(partial, child.block_table[1])] and child.block_table[0] == full
+    storage.copy_blocks(copies)
+    torch.testing.assert_close(storage.read_blocks(child.block_table[1:]), before, rtol=0, atol=0)
+    assert bm.blocks[partial].ref_count == 3 and bm.blocks[child.block_table[1]].ref_count == 1
+    child.token_ids.append(101)  # the next token writes into its own copy: nothing more to copy
+    computed(child)
+    assert bm.append(child) == [] and bm.num_free_blocks == 5
+    bm.check_invariants([parent, *children])
+
+    boundary = BlockSequence("b", list(range(16)))  # a fork at a block boundary: nothing to copy, ever
+    prefill(bm, boundary)
+    twin = BlockSequence("t", list(range(16)))
+    bm.fork(boundary, twin)
+    twin.token_ids.append(7)
+    assert bm.append(twin) == [] and twin.block_table[:2] == boundary.block_table
+    for seq in [parent, *children, boundary, twin]:
+        bm.deallocate(seq)
+    assert bm.num_free_blocks == 8, "blocks leaked"
+    bm.check_invariants([])
+
+
+def test_copy_on_write_counts_the_copy_when_the_pool_is_short():
+    bm = BlockManager(num_blocks=2, block_size=8)
+    parent = BlockSequence("p", [1, 2, 3])
+    prefill(bm, parent)
+    child = BlockSequence("c", [1, 2, 3])
+    bm.fork(parent, child)
+    filler = BlockSequence("f", [9])
+    bm.allocate(filler)  # the last free block
+    child.token_ids.append(4)
+    assert not bm.can_append(child)
+    with pytest.raises(KVCacheExhausted, match="needs 1 more block"):
+        bm.append(child)
+    assert child.block_table == parent.block_table and bm.blocks[parent.block_table[0]].ref_count == 2
+    bm.check_invariants([parent, child, filler])
+
+
+def test_fork_errors_name_the_problem():
+    bm = BlockManager(num_blocks=4, block_size=8)
+    parent = BlockSequence("p", [1, 2, 3])
+    with pytest.raises(ValueError, match="holds no blocks to fork"):
+        bm.fork(parent, BlockSequence("c", [1, 2, 3]))
+    prefill(bm, parent)
+    with pytest.raises(ValueError, match="cannot fork into itself"):
+        bm.fork(parent, BlockSequence("p", [1, 2, 3]))
+    with pytest.raises(ValueError, match="does not start with the tokens"):
+        bm.fork(parent, BlockSequence("c", [1, 2, 4]))
+    child = BlockSequence("c", [1, 2, 3])
+    bm.fork(parent, child)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        bm.fork(parent, child)
+    bm.check_invariants([parent, child])
+
+
+def test_storage_copy_blocks_copies_every_layer_and_checks_ids():
+    storage = PagedKVStorage(num_layers=3, num_blocks=4, block_size=8, num_kv_heads=2, head_dim=4)
+    storage.kv.copy_(torch.randn(storage.kv.shape))
+    source = storage.read_blocks([1, 2])
+    storage.copy_blocks([(1, 0), (2, 3)])
+    torch.testing.assert_close(storage.read_blocks([0, 3]), source, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="block id 4 is outside 0..3"):
+        storage.copy_blocks([(4, 0)])

@@ -3,7 +3,9 @@
 A model of the KV cache records, for every block, which token prefix its K/V was computed for.
 After every step: the manager's invariants hold (reference counts equal table references, no
 block both free and used, every hash entry points at matching content), every prefix hit serves
-K/V computed for exactly that prefix, and no sequence ever writes into a block it shares.
+K/V computed for exactly that prefix, and no sequence ever writes into a block it shares: forked
+sequences (parallel samples, beams) share their parent's blocks and copy a shared partial block
+only when they write into it (copy-on-write), and the copy carries the parent's K/V.
 """
 
 from hypothesis import settings
@@ -30,6 +32,10 @@ class FakeStorage:
     def write_blocks(self, block_ids, data):
         for b, c in zip(block_ids, data, strict=True):
             self.content[b] = c
+
+    def copy_blocks(self, pairs):
+        for source, destination in pairs:
+            self.content[destination] = self.content.get(source)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -80,12 +86,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.running))
         seq.token_ids.append(token)
         if self.bm.can_append(seq):
-            self.bm.append(seq)
+            copies = self.bm.append(seq)
+            assert len(copies) <= 1 and all(self.bm.blocks[d].ref_count == 1 for _, d in copies)
+            self.storage.copy_blocks(copies)
+            for i, block in enumerate(seq.block_table[:-1]):  # what is already there is this sequence's K/V
+                if (i + 1) * BLOCK_SIZE <= seq.num_cached_tokens:
+                    assert self.content[block][: (i + 1) * BLOCK_SIZE] == tuple(seq.token_ids[: (i + 1) * BLOCK_SIZE])
             self.compute(seq)
         else:  # preempt by recomputation, as a scheduler would
             self.bm.deallocate(seq)
             self.running.remove(seq)
             self.waiting.append(seq)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def fork(self, data):
+        """A parallel sample or a beam: a new sequence sharing every block of a running one."""
+        parent = data.draw(st.sampled_from(self.running))
+        child = BlockSequence(self.next_id, list(parent.token_ids))
+        self.next_id += 1
+        free_before = self.bm.num_free_blocks
+        self.bm.fork(parent, child)
+        assert self.bm.num_free_blocks == free_before, "a fork must not take blocks"
+        assert child.block_table == parent.block_table and child.num_cached_tokens == parent.num_cached_tokens
+        self.running.append(child)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), preempt=st.booleans())

@@ -14,6 +14,15 @@ attributes read and written here). Blocks are shared between sequences with the 
 - a prompt never hits on its own last token: the model must compute at least one token to produce
   logits, so the block holding the last prompt token is always computed, never shared.
 
+Blocks are also shared on purpose, by `fork`: the n samples of one prompt (`SamplingParams.n`) and
+the beams of a beam search start as copies of one sequence, and a fork copies only the block
+table (every block's ref_count += 1), not the K/V. Full blocks stay shared for good: nobody writes
+into them again. The last block is usually partial, and each child's next token goes into it, so
+`append` applies *copy-on-write*: a sequence about to write into a block that others also hold
+gets a fresh block, the K/V already there is copied into it (`append` returns the (source,
+destination) pairs; the caller copies them before the forward step), and the shared block loses
+one reference.
+
 Errors: `KVCacheExhausted` when the pool cannot satisfy a request, `ValueError` for calls made in
 the wrong order (allocate twice, append before allocate, free twice, ...). Nothing is asserted.
 """
@@ -66,11 +75,13 @@ class PrefixCacheStats:
 
 
 class BlockStorage(Protocol):
-    """Where swap_out / swap_in copy a sequence's K/V (PagedKVStorage implements it)."""
+    """Where swap_out / swap_in copy a sequence's K/V, and copy-on-write copies blocks (PagedKVStorage)."""
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None: ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
 
 @dataclass
@@ -141,14 +152,15 @@ class BlockManager:
         return self.blocks_needed(len(token_ids)) - sum(b.ref_count > 0 for b in hits)
 
     # ---- prefill -------------------------------------------------------------------------
-    def can_allocate(self, seq: SequenceBlocks) -> bool:
-        hits = self.prefix_hits(seq.token_ids)
+    def can_allocate(self, seq: SequenceBlocks, use_prefix_cache: bool = True) -> bool:
+        hits = self.prefix_hits(seq.token_ids) if use_prefix_cache else []
         return self._blocks_to_take(seq.token_ids, hits) <= self.num_free_blocks
 
-    def allocate(self, seq: SequenceBlocks) -> None:
+    def allocate(self, seq: SequenceBlocks, use_prefix_cache: bool = True) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
 
         Sets `seq.block_table` and `seq.num_cached_tokens` (the prefix hit, a multiple of block_size).
+        `use_prefix_cache=False` computes every token (a request that wants each prompt position's logprobs).
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id!r} already holds blocks; deallocate it first")
@@ -156,7 +168,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id!r} is swapped out; use swap_in, not allocate")
         if not seq.token_ids:
             raise ValueError(f"sequence {seq.seq_id!r} has no tokens to allocate blocks for")
-        hits = self.prefix_hits(seq.token_ids)
+        hits = self.prefix_hits(seq.token_ids) if use_prefix_cache else []
         need = self._blocks_to_take(seq.token_ids, hits)
         if need > self.num_free_blocks:
             raise KVCacheExhausted(
@@ -176,7 +188,7 @@ class BlockManager:
         self.stats.queried_tokens += len(seq.token_ids)
         self.stats.hit_tokens += seq.num_cached_tokens
 
-    # ---- decode --------------------------------------------------------------------------
+    # ---- decode ----------------------------------------------------------------------------
     def _missing_blocks(self, seq: SequenceBlocks) -> int:
         if not seq.block_table:
             raise ValueError(f"sequence {seq.seq_id!r} holds no blocks; allocate (or swap_in) it first")
@@ -188,18 +200,60 @@ class BlockManager:
             )
         return missing
 
-    def can_append(self, seq: SequenceBlocks) -> bool:
-        return self._missing_blocks(seq) <= self.num_free_blocks
+    def _shared_write_block(self, seq: SequenceBlocks) -> int | None:
+        """Index in seq.block_table of the shared block its next write lands in, if any (copy-on-write)."""
+        index = seq.num_cached_tokens // self.block_size
+        if index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1:
+            return index
+        return None
 
-    def append(self, seq: SequenceBlocks) -> None:
-        """After tokens were appended to `seq`: add blocks for them and cache newly computed full blocks."""
+    def can_append(self, seq: SequenceBlocks) -> bool:
+        cow = self._shared_write_block(seq) is not None
+        return self._missing_blocks(seq) + cow <= self.num_free_blocks
+
+    def append(self, seq: SequenceBlocks) -> list[tuple[int, int]]:
+        """After tokens were appended to `seq`: add blocks for them and cache newly computed full blocks.
+
+        Returns the copy-on-write copies to make before the step writes K/V, as (source block,
+        destination block) pairs: at most one, when the first token to compute lands in a partial
+        block that a fork shares with other sequences.
+        """
         missing = self._missing_blocks(seq)
-        if missing > self.num_free_blocks:
+        shared = self._shared_write_block(seq)
+        if missing + (shared is not None) > self.num_free_blocks:
             raise KVCacheExhausted(
-                f"sequence {seq.seq_id!r} needs {missing} more block(s), {self.num_free_blocks} are free"
+                f"sequence {seq.seq_id!r} needs {missing + (shared is not None)} more block(s), "
+                f"{self.num_free_blocks} are free"
             )
         self.cache_computed_blocks(seq)
+        copies = []
+        if shared is not None:
+            source = seq.block_table[shared]
+            self.blocks[source].ref_count -= 1  # still > 0: the other owners keep it
+            seq.block_table[shared] = self._take_free_block()
+            copies.append((source, seq.block_table[shared]))
         seq.block_table.extend(self._take_free_block() for _ in range(missing))
+        return copies
+
+    def fork(self, parent: SequenceBlocks, child: SequenceBlocks) -> None:
+        """Let `child` share every block of `parent` (ref_count += 1 each); no K/V is copied.
+
+        The child must hold the same tokens up to parent.num_cached_tokens; it starts with the
+        parent's block table and cached-token count. Later writes into a shared partial block go
+        through copy-on-write in `append`.
+        """
+        if not parent.block_table:
+            raise ValueError(f"sequence {parent.seq_id!r} holds no blocks to fork")
+        if child.block_table or child.seq_id in self._swapped:
+            raise ValueError(f"sequence {child.seq_id!r} already holds blocks; a fork target must hold none")
+        if child.seq_id == parent.seq_id:
+            raise ValueError(f"a sequence cannot fork into itself (seq_id {parent.seq_id!r})")
+        if list(child.token_ids[:parent.num_cached_tokens]) != list(parent.token_ids[:parent.num_cached_tokens]):
+            raise ValueError(f"sequence {child.seq_id!r} does not start with the tokens of {parent.seq_id!r}")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_cached_tokens = parent.num_cached_tokens
 
     def cache_computed_blocks(self, seq: SequenceBlocks) -> None:
         """Give every full block whose K/V is computed (below seq.num_cached_tokens) its chained hash.

@@ -86,6 +86,18 @@ class PagedKVStorage:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         self.kv.index_copy_(2, index, data.to(self.device, self.dtype))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give each destination block the K/V of its source block, in every layer."""
+        if not pairs:
+            return
+        for source, destination in pairs:
+            for block_id in (source, destination):
+                if not 0 <= block_id < self.num_blocks:
+                    raise ValueError(f"block id {block_id} is outside 0..{self.num_blocks - 1}")
+        sources = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        destinations = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        self.kv.index_copy_(2, destinations, self.kv.index_select(2, sources))
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:

@@ -3,18 +3,21 @@
     llm = LLM("smollm2", max_num_seqs=16)      # a model name, a .gguf path or an HF folder
     outputs = llm.generate(["The capital of France is", "Hello"], SamplingParams(max_tokens=20))
     outputs[0].text, outputs[0].token_ids, outputs[0].finish_reason, outputs[0].metrics.ttft
+    outputs[0].outputs[i]          # sample i of n (SamplingParams(n=...)): .text, .token_ids, .logprobs
+    llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, max_tokens=8))
 
-Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model runner runs one
-forward pass over it and samples, and the engine appends the tokens, detokenizes them
-incrementally, checks the stop rules and releases what finished.
+Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model
+runner runs one forward pass over it, the engine samples (forking a request's n samples off its
+prompt the first time it is sampled), appends the tokens, detokenizes them incrementally, checks
+the stop rules and releases what finished.
 """
 
+import dataclasses
 import itertools
 import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -22,29 +25,16 @@ from labkit.attention.paged import PagedAttentionBackend
 from labkit.cache.block_manager import BlockManager
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.device import pick_device
+from labkit.engine.beam_search import EngineBeamSearch
 from labkit.engine.metrics import EngineMetrics, RequestMetrics
 from labkit.engine.model_runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, num_blocks_for_memory
+from labkit.engine.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
 from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from labkit.engine.sequence import FinishReason, Sequence
 from labkit.model import DecoderModel, load_model
-from labkit.sampling import SamplingParams, check_stop
+from labkit.sampling import BeamSearchParams, SamplingParams, check_stop
+from labkit.sampling.logprobs import compute_logprobs
 from labkit.tokenizer import IncrementalDetokenizer, load_tokenizer
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    stop_reason: str | int | None
-    metrics: RequestMetrics
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class LLM:
@@ -111,6 +101,13 @@ class LLM:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        vocab = self.model.config.vocab_size
+        for field, ids in params.token_ids_named().items():
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{field} must hold token ids below the vocabulary size {vocab}, got {max(ids)}")
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs="
+                             f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
         seq = Sequence(token_ids, params, priority=priority, prompt=text, seq_id=next(self._ids))
         self.scheduler.check_fits(seq)
         return seq
@@ -131,7 +128,8 @@ class LLM:
         seq = self._requests.get(request_id)
         if seq is None:
             raise ValueError(f"no unfinished request with id {request_id!r}")
-        self.scheduler.abort(seq)
+        for sample in seq.group:
+            self.scheduler.abort(sample)
         self._finalize(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -144,16 +142,69 @@ class LLM:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        seqs, tokens = self.runner.run(out.seqs, out.num_new_tokens)
-        now = time.perf_counter()
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, token, now)
+        num_batched_tokens = out.num_batched_tokens  # before forked samples join `out`
+        self.storage.copy_blocks(out.blocks_to_copy)  # copy-on-write, before the step writes K/V
+        forward = self.runner.forward(out.seqs, out.num_new_tokens)
+        for prompt in forward.prompt_logits:
+            targets = prompt.seq.prompt_token_ids[prompt.first_target:prompt.first_target + len(prompt.logits)]
+            prompt.seq.prompt_logprobs += compute_logprobs(prompt.logits, targets,
+                                                           [prompt.seq.params.prompt_logprobs] * len(targets),
+                                                           self._decode_token)
+        seqs, rows = [], []
+        for row, seq in enumerate(forward.sampled_seqs):
+            samples = [seq] + (self._fork_samples(seq, out) if seq.params.n > len(seq.group) else [])
+            seqs += samples
+            rows += [row] * len(samples)
+        if seqs:
+            logits = forward.logits if len(rows) == len(forward.sampled_seqs) else forward.logits[rows]
+            tokens = self.runner.sample(logits, seqs, self.eos_token_id)
+            logprobs = self._sampled_logprobs(logits, seqs, tokens)
+            now = time.perf_counter()
+            for seq, token, position in zip(seqs, tokens, logprobs, strict=True):
+                self._append(seq, token, now, position)
         finished = self.scheduler.postprocess(out)
-        self._account(out, len(seqs), time.perf_counter() - start)
-        return [self._finalize(seq) for seq in finished]
+        self._account(out, num_batched_tokens, len(seqs), time.perf_counter() - start)
+        done = {seq.request_id: seq.group[0] for seq in finished if seq.group_finished}
+        return [self._finalize(seq) for seq in done.values()]
 
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
+    def _fork_samples(self, seq: Sequence, out: SchedulerOutput) -> list[Sequence]:
+        """Sample 0 of a request with n > 1 is about to get its first token: fork the other n - 1.
+
+        They share its KV blocks (the prompt's); each draws its first token from the same logits
+        row. With a seed, sample i uses seed + i (vLLM's rule), so every sample is reproducible
+        and none depends on what else runs in the batch.
+        """
+        children = []
+        for index in range(1, seq.params.n):
+            seed = seq.params.seed
+            params = seq.params if seed is None else dataclasses.replace(seq.params, seed=_wrap_int64(seed + index))
+            child = seq.fork(next(self._ids), params)
+            self.scheduler.fork(seq, child)
+            out.seqs.append(child)  # computed what its parent computed: postprocess advances it alike
+            out.num_new_tokens.append(out.num_new_tokens[out.seqs.index(seq)])
+            self._detok[child.seq_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+            children.append(child)
+        return children
+
+    def _sampled_logprobs(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
+        """The asked-for logprobs of each sampled token (None where a request did not ask)."""
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        result = [None] * len(seqs)
+        if wanted:
+            computed = compute_logprobs(logits[wanted], [tokens[i] for i in wanted],
+                                        [seqs[i].params.logprobs for i in wanted], self._decode_token)
+            for i, position in zip(wanted, computed, strict=True):
+                result[i] = position
+        return result
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _append(self, seq: Sequence, token: int, now: float, logprobs: dict | None = None) -> None:
         seq.append_token(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
         if seq.first_token_time is None:
             seq.first_token_time = now
         piece = self._detok[seq.seq_id].push(token)
@@ -165,37 +216,42 @@ class LLM:
             elif state.stop_reason is None:
                 seq.finish(FinishReason.EOS, token)
             else:
-                if state.text_end is not None:  # vLLM's rule: the text stops before the stop string
-                    seq.text = seq.text[:state.text_end]
+                if state.text_end is not None:  # vLLM's rule: the text stops before the stop string...
+                    keep = len(state.stop_reason) if seq.params.include_stop_str_in_output else 0
+                    seq.text = seq.text[:state.text_end + keep]  # ...or just after it, if asked
                 seq.finish(FinishReason.STOP, state.stop_reason)
         elif seq.num_tokens >= self.scheduler.config.max_model_len:
             seq.finish(FinishReason.MAX_TOKENS)
 
-    def _account(self, out: SchedulerOutput, num_sampled: int, elapsed: float) -> None:
+    def _account(self, out: SchedulerOutput, num_batched_tokens: int, num_sampled: int, elapsed: float) -> None:
         m = self.metrics
         m.num_steps += 1
         m.busy_time += elapsed
         m.num_generated_tokens += num_sampled
-        m.num_batched_tokens += out.num_batched_tokens
+        m.num_batched_tokens += num_batched_tokens
         m.num_preemptions += len(out.preempted)
         m.num_swaps += len(out.swapped_out)
         m.prefix_cache_queried_tokens = self.block_manager.stats.queried_tokens
         m.prefix_cache_hit_tokens = self.block_manager.stats.hit_tokens
 
     def _finalize(self, seq: Sequence) -> RequestOutput:
-        """The output of a finished request; forgets the request."""
-        detok = self._detok.pop(seq.seq_id, None)
-        if detok is not None and seq.finish_reason is not FinishReason.STOP:
-            seq.text += detok.flush()
-        self._requests.pop(seq.seq_id, None)
+        """The output of a finished request (`seq` is its sample 0); forgets the request."""
+        for sample in seq.group:
+            detok = self._detok.pop(sample.seq_id, None)
+            if detok is not None and sample.finish_reason is not FinishReason.STOP:
+                sample.text += detok.flush()
+        self._requests.pop(seq.request_id, None)
         metrics = RequestMetrics.of(seq)
         self.metrics.finished.append(metrics)
         return self._output(seq, metrics)
 
     @staticmethod
     def _output(seq: Sequence, metrics: RequestMetrics | None = None) -> RequestOutput:
-        return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, seq.text, seq.output_token_ids,
-                             seq.finish_reason, seq.stop_reason, metrics or RequestMetrics.of(seq))
+        """vLLM's RequestOutput of the request whose sample 0 is `seq`, finished or not."""
+        samples = [CompletionOutput(s.index, s.text, s.output_token_ids, s.cumulative_logprob, s.logprobs,
+                                    s.finish_reason, s.stop_reason) for s in seq.group]
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.prompt_logprobs, samples,
+                             seq.group_finished, metrics or RequestMetrics.of(seq))
 
     # --- user-facing calls -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
@@ -226,7 +282,7 @@ class LLM:
         finally:
             bar.close()
             for seq in seqs:  # interrupted (e.g. KeyboardInterrupt): leave nothing queued
-                if seq.seq_id not in outputs and not seq.is_finished:
+                if seq.seq_id not in outputs and seq.seq_id in self._requests:
                     self.abort(seq.seq_id)
         by_id = {**{s.seq_id: self._output(s) for s in seqs if s.seq_id not in outputs}, **outputs}
         return [by_id[s.seq_id] for s in seqs]
@@ -245,6 +301,9 @@ class LLM:
         Closing the generator early aborts the request.
         """
         seq = self._make_sequence(prompt, sampling_params or SamplingParams(), priority)
+        if seq.params.n != 1:
+            raise ValueError(f"stream yields the text of one sample: n must be 1, got {seq.params.n} "
+                             "(generate returns all n)")
         self._enqueue(seq)
         sent = 0
         try:
@@ -260,6 +319,35 @@ class LLM:
             if not seq.is_finished:
                 self.abort(seq.seq_id)
 
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`, run inside this engine: one BeamSearchOutput per prompt.
+
+        Each beam is an engine Sequence in the paged KV cache. A beam that continues in k ways is
+        forked k - 1 times (its blocks are shared, the partial last block copied on write); no
+        beam's prompt is prefilled twice. The search follows transformers' rules (see
+        labkit/sampling/beam.py), so it returns transformers' `generate(num_beams=...)` hypotheses.
+        A prompt is a str, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
+        Runs on its own: call it when no other request is queued.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError("prompts must be a str, a dict or a non-empty list of them")
+        if self.has_unfinished_requests():
+            raise RuntimeError("beam_search runs alone: finish or abort the queued requests first")
+        token_lists = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                if not ("prompt" in prompt) ^ ("prompt_token_ids" in prompt):
+                    raise ValueError(f"a prompt dict needs one of 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            token_lists.append(self._make_sequence(prompt, SamplingParams(max_tokens=params.max_tokens), 0).token_ids)
+        search = EngineBeamSearch(self.block_manager, self.storage, self.runner, self.scheduler.config.max_model_len)
+        eos = None if params.ignore_eos else self.eos_token_id
+        return [search.run(ids, params, eos, self.tokenizer) for ids in token_lists]
+
     def reset_metrics(self) -> None:
         self.metrics = EngineMetrics()
 
@@ -274,6 +362,11 @@ def _capture_decode_graphs(model, backend, max_num_seqs, max_blocks, max_model_l
     except Exception as error:  # noqa: BLE001 - any capture failure means: run without graphs
         warnings.warn(f"CUDA graph capture failed, decoding without graphs: {error}", stacklevel=3)
         return None
+
+
+def _wrap_int64(value: int) -> int:
+    """A derived seed (seed + sample index) kept in the int64 range a seed must lie in."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def _per_prompt(value, n: int, name: str) -> list:

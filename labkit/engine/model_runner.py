@@ -11,8 +11,14 @@ Each step, for the scheduled sequences and the number of new tokens each compute
 
 Only the last new token of a sequence that completes its prompt (or decodes) gets logits: the
 final projection onto 49,152 vocabulary entries is the step's largest matmul, and a chunk in the
-middle of a prompt needs none.
+middle of a prompt needs none. The exception is a request that asked for `prompt_logprobs`: every
+prompt position it computes gets logits too.
+
+`forward` returns fp32 logits and leaves sampling to `sample`, so the engine can sample several
+tokens from one row (the n samples of a prompt) and read the logprobs of the raw logits.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +50,22 @@ def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, device: t
     if num_blocks < 1:
         raise ValueError(f"a KV-cache budget of {budget} bytes holds no block of {block_size} tokens")
     return num_blocks
+
+
+@dataclass
+class PromptLogits:
+    """Logits of a run of prompt positions: row i predicts the prompt token at `first_target + i`."""
+
+    seq: Sequence
+    first_target: int
+    logits: torch.Tensor  # [rows, vocab] fp32
+
+
+@dataclass
+class ForwardOutput:
+    sampled_seqs: list[Sequence]  # the sequences whose step reached their end: their next token is due
+    logits: torch.Tensor | None  # [len(sampled_seqs), vocab] fp32, None if no sequence is sampled
+    prompt_logits: list[PromptLogits]
 
 
 class StepInputs:
@@ -103,31 +125,43 @@ class ModelRunner:
         return StepInputs(ids, positions.to(dev), meta, sample_rows.to(dev), sampled_seqs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], list[int]]:
-        """One forward step. Returns the sequences that got a next token, and those tokens."""
+    def forward(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardOutput:
+        """One forward step: fp32 logits of the sequences due a next token, and any prompt logits asked for."""
         step = self.prepare(seqs, num_new_tokens)
         graphs = self.decode_graphs
         if (graphs is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)
-                and graphs.fits(len(seqs), step.meta.block_tables.shape[1])):
+                and graphs.fits(len(seqs), step.meta.block_tables.shape[1])
+                and not any(seq.needs_prompt_logprobs for seq in seqs)):
             logits = graphs.run(step.input_ids, step.positions, step.meta)
-        else:
-            hidden = self.model.forward_hidden(step.input_ids, step.positions, step.meta, self.backend)
-            if not step.sampled_seqs:
-                return [], []
-            logits = self.model.compute_logits(hidden[step.sample_rows])
+            return ForwardOutput(step.sampled_seqs, logits.float(), [])
+        hidden = self.model.forward_hidden(step.input_ids, step.positions, step.meta, self.backend)
         # Sampling works in fp32 whatever the weights: a bf16 softmax over 49,152 entries loses the
         # small probabilities, and argmax over bf16 is several times slower on a CPU.
-        return step.sampled_seqs, self.sample(logits.float(), step.sampled_seqs)
+        logits = self.model.compute_logits(hidden[step.sample_rows]).float() if step.sampled_seqs else None
+        return ForwardOutput(step.sampled_seqs, logits, self._prompt_logits(seqs, num_new_tokens, hidden))
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next token of each sequence; an all-greedy batch is one argmax, nothing else to pack."""
-        if all(seq.params.greedy and not _penalized(seq.params) for seq in seqs):
+    def _prompt_logits(self, seqs, num_new_tokens, hidden) -> list[PromptLogits]:
+        """For requests that want prompt_logprobs: logits of their computed positions that predict a prompt token."""
+        result, row = [], 0
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            start = seq.num_cached_tokens
+            first_target = max(start + 1, len(seq.prompt_logprobs or ()))  # positions already done are skipped
+            end_target = min(start + n, seq.num_prompt_tokens - 1) + 1  # the last row predicts the first output
+            if seq.needs_prompt_logprobs and first_target < end_target:
+                rows = hidden[row + first_target - 1 - start: row + end_target - 1 - start]
+                result.append(PromptLogits(seq, first_target, self.model.compute_logits(rows).float()))
+            row += n
+        return result
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_id: int | None = None) -> list[int]:
+        """Next token of each sequence (row i of `logits` is seqs[i]'s); an all-greedy batch is one argmax.
+
+        `eos_token_id` is what min_tokens masks until enough tokens were generated.
+        """
+        if all(seq.params.greedy and not seq.params.changes_logits for seq in seqs):
             return logits.argmax(-1).tolist()
         metadata = SamplingMetadata.from_requests([seq.params for seq in seqs],
                                                   [seq.prompt_token_ids for seq in seqs],
-                                                  [seq.output_token_ids for seq in seqs], device=logits.device)
+                                                  [seq.output_token_ids for seq in seqs], device=logits.device,
+                                                  eos_token_id=eos_token_id, vocab_size=logits.shape[-1])
         return self.sampler(logits, metadata).tolist()
-
-
-def _penalized(params) -> bool:
-    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0

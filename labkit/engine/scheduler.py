@@ -59,6 +59,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # by recompute, back to WAITING
     swapped_out: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -126,6 +127,14 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.finish(FinishReason.ABORTED)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child` (a new sample of a running `parent`) from now on, sharing the parent's KV blocks."""
+        if parent not in self.running:
+            raise ValueError(f"only a running sequence can be forked, {parent!r} is not running")
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -150,7 +159,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                bm.append(seq)
+                out.blocks_to_copy.extend(bm.append(seq))
                 n = min(seq.num_uncomputed_tokens, budget)
                 self._take(seq, n, out)
                 budget -= n
@@ -166,7 +175,7 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             bm.swap_in(seq, self.kv_storage)
-            bm.append(seq)
+            out.blocks_to_copy.extend(bm.append(seq))
             seq.status = SequenceStatus.RUNNING
             out.swapped_in.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
@@ -178,12 +187,13 @@ class Scheduler:
         self.waiting.sort(key=priority_order)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
+            use_prefix_cache = not seq.needs_prompt_logprobs  # every prompt position's logits are wanted
+            if not bm.can_allocate(seq, use_prefix_cache):
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
             self.waiting.pop(0)
-            bm.allocate(seq)
+            bm.allocate(seq, use_prefix_cache)
             # A prompt cached in full still runs its last token: that row gives the next token's logits.
             seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
             if seq.first_scheduled_time is None:

@@ -71,6 +71,15 @@ class Sequence:
         self.num_prefix_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.num_swaps = 0
+        # A request's samples (SamplingParams.n): this one is sample `index`; `group` lists them all,
+        # in index order, and is shared by all of them. The request's id is that of sample 0.
+        self.request_id = self.seq_id
+        self.index = 0
+        self.group: list[Sequence] = [self]
+        # Asked-for logprobs (see labkit/sampling/logprobs.py); prompt_logprobs live on sample 0.
+        self.logprobs: list | None = None if params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None]
 
     # --- token views -------------------------------------------------------------------------
     @property
@@ -103,7 +112,32 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """prompt_logprobs were asked for and some prompt position has none yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def group_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.group)
+
     # --- transitions -------------------------------------------------------------------------
+    def fork(self, seq_id: int, params: "SamplingParams") -> "Sequence":
+        """A new sample of the same request: same tokens so far, its own params (its seed), next index.
+
+        Only the Sequence is made here; the caller shares the KV blocks (BlockManager.fork).
+        """
+        child = Sequence(self.token_ids, params, self.priority, self.prompt, seq_id)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.arrival_order, child.arrival_time = self.arrival_order, self.arrival_time
+        child.first_scheduled_time = self.first_scheduled_time
+        child.num_prefix_cached_tokens = self.num_prefix_cached_tokens
+        child.status, child.text = self.status, self.text
+        child.request_id, child.index, child.group = self.request_id, len(self.group), self.group
+        child.prompt_logprobs = None
+        self.group.append(child)
+        return child
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

@@ -2,11 +2,12 @@
 
 One concept per module: `params` (what a request asks for, validated), `filters` (temperature,
 top-k, top-p, min-p with transformers' semantics), `penalties` (repetition, presence, frequency),
-`sampler` (the vectorized, seeded per-row sampler the engine calls each step), `stop` (finish
+`processors` (allowed_token_ids, logit_bias, min_tokens), `sampler` (the vectorized, seeded per-row
+sampler the engine calls each step), `logprobs` (what a request's logprobs report), `stop` (finish
 reasons) and `beam` (beam search over any scorer).
 """
 
-from labkit.sampling.beam import BeamCandidate, BeamHypothesis, BeamSearchResult, beam_search
+from labkit.sampling.beam import BeamCandidate, BeamHypothesis, BeamSearchParams, BeamSearchResult, beam_search
 from labkit.sampling.filters import (
     apply_min_p,
     apply_temperature,
@@ -15,6 +16,7 @@ from labkit.sampling.filters import (
     filter_logits,
     keep_argmax,
 )
+from labkit.sampling.logprobs import Logprob
 from labkit.sampling.params import SamplingParams
 from labkit.sampling.penalties import apply_penalties, token_counts
 from labkit.sampling.sampler import Sampler, SamplingMetadata
@@ -23,8 +25,10 @@ from labkit.sampling.stop import FinishState, StopMatch, check_stop, find_stop_s
 __all__ = [
     "BeamCandidate",
     "BeamHypothesis",
+    "BeamSearchParams",
     "BeamSearchResult",
     "FinishState",
+    "Logprob",
     "Sampler",
     "SamplingMetadata",
     "SamplingParams",

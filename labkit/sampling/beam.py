@@ -17,14 +17,47 @@ this module reproduces so that both return the same hypotheses:
   max_new_tokens ** length_penalty when early_stopping="never" and length_penalty > 0.
 
 Scores are float32 tensors throughout, as in transformers, so ties and rounding agree.
+
+`BeamSearchParams` is vLLM's request for `LLM.beam_search`, which runs this search inside the
+engine (labkit/engine/beam_search.py).
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 StepLogitsFn = Callable[[list[list[int]]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam-search request: keep `beam_width` beams for up to `max_tokens` new tokens.
+
+    ignore_eos: never finish a beam on EOS. temperature: 0 scores beams with the model's raw
+    log-probabilities; > 0 divides the logits by it first. length_penalty: a hypothesis scores
+    cum_logprob / generated_length ** length_penalty (1 = the mean log-probability per token).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name, allowed, rule in [("temperature", lambda t: 0 <= t < math.inf, "must be finite and >= 0"),
+                                    ("length_penalty", math.isfinite, "must be a finite number")]:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not allowed(value):
+                raise ValueError(f"{name} {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)

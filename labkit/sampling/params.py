@@ -6,7 +6,11 @@ trust every value it packs into a tensor and a bad request fails where it was wr
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top entries a request may ask for
 
 
 def _is_number(value) -> bool:
@@ -34,6 +38,17 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (like EOS, but per request).
     ignore_eos: keep generating past the model's EOS token.
     seed: makes this request's draws reproducible, whatever else runs in the same batch.
+    n: how many samples of the prompt to generate (parallel sampling). They share the prompt's KV
+        blocks (fork + copy-on-write); with a seed, sample i draws with seed + i (vLLM's rule).
+    logprobs: per generated token, the log-probabilities of the `logprobs` most likely tokens plus
+        the sampled one (None: none). Raw: log_softmax of the model's logits before any processing.
+    prompt_logprobs: the same for every prompt token (the first has none). Disables the prefix
+        cache for the request's prompt, whose every position must be computed.
+    min_tokens: EOS and stop_token_ids are masked (and stop strings ignored) until this many tokens
+        were generated. In [0, max_tokens].
+    logit_bias: {token id: bias} added to those logits before sampling (and before greedy's argmax).
+    allowed_token_ids: if given, every other token is masked out.
+    include_stop_str_in_output: keep the matched stop string at the end of the output text.
     """
 
     temperature: float = 1.0
@@ -48,6 +63,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # stored read-only
+    allowed_token_ids: tuple[int, ...] | None = None  # a list is accepted too and stored as a tuple
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         self._check_number("temperature", lambda t: t >= 0, "must be >= 0 (0 means greedy)")
@@ -70,14 +92,53 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (the number of samples), got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, Mapping)
+            and all(_is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items())
+        ):
+            raise ValueError(f"logit_bias must be a dict of token id (integer >= 0) to a finite number, "
+                             f"got {self.logit_bias!r}")
+        if self.allowed_token_ids is not None and not (
+            isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError(f"allowed_token_ids must be None or a non-empty list of token ids (integers >= 0), "
+                             f"got {self.allowed_token_ids!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(
+                f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")
         # Frozen: store immutable copies so nobody can change a validated request afterwards.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", MappingProxyType(dict(self.logit_bias)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
 
     def _check_number(self, name: str, allowed, rule: str):
         value = getattr(self, name)
         if not _is_number(value) or math.isnan(value) or not allowed(value):
             raise ValueError(f"{name} {rule}, got {value!r}")
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """Every token id this request names, by field: the engine checks them against its vocabulary."""
+        return {"stop_token_ids": list(self.stop_token_ids), "logit_bias": list(self.logit_bias or ()),
+                "allowed_token_ids": list(self.allowed_token_ids or ())}
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything but the filters touches the logits: penalties, bias, masks, min_tokens."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

@@ -10,7 +10,8 @@ How the engine calls it, once per step, with the logits of each sequence's last 
     )
     next_tokens = sampler(logits, metadata)       # LongTensor [batch]
 
-Per row, in this order (vLLM's and transformers'): penalties on the raw logits; then greedy rows
+Per row, in this order (vLLM's and transformers'): the processors of `processors.py` (allowed
+token ids, logit bias, min_tokens) and the penalties on the raw logits; then greedy rows
 (temperature 0) take the argmax, and the others go through temperature, top-k, top-p, min-p and a
 draw from what is left. Everything is tensor operations over the whole batch; the only Python
 loop is the one that packs the requests' lists into tensors.
@@ -34,6 +35,7 @@ import torch
 from labkit.sampling.filters import apply_min_p, apply_temperature, apply_top_k, apply_top_p
 from labkit.sampling.params import SamplingParams
 from labkit.sampling.penalties import PAD_ID, apply_penalties
+from labkit.sampling.processors import logit_offsets
 
 _MASK32 = 0xFFFFFFFF
 
@@ -92,6 +94,7 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [batch], 1 = off
     presence_penalty: torch.Tensor | None = None  # [batch], 0 = off
     frequency_penalty: torch.Tensor | None = None  # [batch], 0 = off
+    logit_offsets: torch.Tensor | None = None  # [batch, vocab]: bias, and -inf where masked (processors.py)
 
     @classmethod
     def from_requests(
@@ -100,8 +103,14 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
         device: torch.device | str = "cpu",
+        eos_token_id: int | None = None,
+        vocab_size: int | None = None,
     ) -> "SamplingMetadata":
-        """Pack per-request settings and token histories into per-row tensors on `device`."""
+        """Pack per-request settings and token histories into per-row tensors on `device`.
+
+        `vocab_size` is needed when a row uses logit_bias, allowed_token_ids or min_tokens (which
+        masks `eos_token_id` and the stop token ids).
+        """
         if not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError("params must be a sequence of SamplingParams, one per row")
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
@@ -127,7 +136,16 @@ class SamplingMetadata:
             repetition_penalty=column("repetition_penalty", torch.float32) if penalized else None,
             presence_penalty=column("presence_penalty", torch.float32) if penalized else None,
             frequency_penalty=column("frequency_penalty", torch.float32) if penalized else None,
+            logit_offsets=_offsets(params, output_token_ids, eos_token_id, vocab_size, device),
         )
+
+
+def _offsets(params, output_token_ids, eos_token_id, vocab_size, device) -> torch.Tensor | None:
+    if vocab_size is None:
+        if any(p.logit_bias or p.allowed_token_ids is not None or p.min_tokens > 0 for p in params):
+            raise ValueError("vocab_size is needed for logit_bias, allowed_token_ids or min_tokens")
+        return None
+    return logit_offsets(params, [len(out) for out in output_token_ids], eos_token_id, vocab_size, device)
 
 
 class Sampler:
@@ -147,6 +165,8 @@ class Sampler:
                 f"got shape {tuple(logits.shape)}"
             )
         logits = logits.float()
+        if metadata.logit_offsets is not None:
+            logits = logits + metadata.logit_offsets
         if metadata.repetition_penalty is not None:
             logits = apply_penalties(
                 logits,

@@ -60,9 +60,11 @@ def check_stop(
     """Whether the sequence is finished after its newest token (the last of `output_token_ids`).
 
     `text` is the output detokenized so far, of which the last `num_new_chars` characters are new.
-    Checked in vLLM's order: EOS (unless ignore_eos), stop token ids, stop strings, max_tokens.
+    Checked in vLLM's order: EOS (unless ignore_eos), stop token ids, stop strings, max_tokens;
+    none of them before min_tokens tokens were generated (the sampler masks EOS and stop tokens
+    until then, and a stop string that appears earlier does not count).
     """
-    if not output_token_ids:
+    if len(output_token_ids) < max(1, params.min_tokens):
         return None
     last = output_token_ids[-1]
     if last == eos_token_id and not params.ignore_eos:
