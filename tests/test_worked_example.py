@@ -1,7 +1,6 @@
 """The worked-example reference: it reproduces the book's printed numbers within their rounding,
 flags exactly the ones that don't follow, and decodes with a cache exactly as full recomputation."""
 
-import importlib.util
 import math
 
 import pytest
@@ -9,8 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from labkit import worked_example as we
-
-ROOT = we.DATA_PATH.parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +21,8 @@ def book():
 
 
 def test_json_is_what_the_build_script_writes():
-    spec = importlib.util.spec_from_file_location("build", ROOT / "datasets" / "build_worked_example.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    from labkit.data import build_worked_example as build
+
     assert build.to_json(build.build()) == we.DATA_PATH.read_text()
 
 
