@@ -77,3 +77,27 @@ def test_only_reachable_decode_batch_sizes_are_captured(max_num_seqs, max_num_ba
 def test_capture_sizes_rejects_an_impossible_configuration():
     with pytest.raises(ValueError, match="no decode batch is possible"):
         capture_sizes(0, 1024, 100)
+
+
+def test_the_profile_run_composes_its_measurements(monkeypatch):
+    """profile_cuda_memory on a CPU model with torch.cuda's counters faked: it runs the dummy steps for
+    real and builds the profile from peak, others' memory and the graphs' decode-step increment."""
+    import dataclasses
+
+    from labkit.engine import memory
+    from labkit.model.random_weights import random_model
+
+    peaks = iter([3 * GIB, GIB + GIB // 8])  # the largest step's peak, then the decode step's
+    steps = []
+    real_step = memory._dummy_step
+    monkeypatch.setattr(memory, "_dummy_step", lambda model, t, s: (steps.append((t, s)), real_step(model, t, s)))
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: next(peaks))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: 4 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (11 * GIB, 16 * GIB))  # 5 GiB in use
+    model = random_model(dataclasses.replace(SMOLLM2_135M, num_layers=1, vocab_size=512))
+    profile = memory.profile_cuda_memory(model, max_num_batched_tokens=100, max_num_seqs=8, graph_batch_size=8)
+    assert steps == [(100, 8), (8, 8)]
+    assert profile == MemoryProfile(total=16 * GIB, peak=3 * GIB, non_torch=GIB, graph_pool=GIB // 8)

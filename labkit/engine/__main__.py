@@ -53,7 +53,7 @@ def main(argv=None):
             print(piece, end="", flush=True)
         print("\n")
     else:
-        print(f"generating {len(questions)} answers as one batch…", flush=True)
+        print(f"generating {len(questions)} answer{'s' * (len(questions) > 1)} as one batch…", flush=True)
         outputs = llm.chat([[{"role": "user", "content": q}] for q in questions], params, use_tqdm=True)
         for question, out in zip(questions, outputs, strict=True):
             m = out.metrics
