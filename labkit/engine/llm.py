@@ -71,11 +71,10 @@ class LLM:
         use_graphs = (use_cuda_graph and self.device.type == "cuda"
                       and resolve_backend(attention_backend, self.device) == "triton")
         if num_kvcache_blocks is None:
-            # On CUDA, vLLM's profile run first: the largest step's activations (and the graphs') must fit too.
-            profile = (profile_cuda_memory(self.model, max_num_batched_tokens, max_num_seqs,
-                                           graph_batch_size=min(max_num_seqs, max_num_batched_tokens) if use_graphs
-                                           else 0)
-                       if self.device.type == "cuda" else None)
+            profile = None
+            if self.device.type == "cuda":  # vLLM's profile run: the largest step's activations must fit too
+                largest_decode = min(max_num_seqs, max_num_batched_tokens) if use_graphs else 0
+                profile = profile_cuda_memory(self.model, max_num_batched_tokens, max_num_seqs, largest_decode)
             num_kvcache_blocks = num_blocks_for_memory(
                 config, block_size, self.model.dtype, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
                 cpu_kv_cache_bytes=cpu_kv_cache_bytes, max_model_len=max_model_len)
