@@ -17,6 +17,7 @@ weights and speed depends only on the shape.
 import argparse
 import dataclasses
 import datetime
+import gc
 import importlib.metadata
 import importlib.util
 import os
@@ -56,7 +57,11 @@ def no_cuda(title: str) -> Section:
 
 
 def run_section(title: str, fn, *args) -> Section:
-    """fn(section, *args) fills the section; an exception fails it with its message, not the whole check."""
+    """fn(section, *args) fills the section; an exception fails it with its message, not the whole check.
+
+    Afterwards the section's engines are freed: each sizes its KV cache from the memory left, so one
+    still holding 90% of the GPU would leave the next nothing.
+    """
     section = Section(title)
     try:
         fn(section, *args)
@@ -64,7 +69,17 @@ def run_section(title: str, fn, *args) -> Section:
         section.status = "fail"
         section.lines.append(f"- FAILED with {type(error).__name__}: {error}")
         section.lines += ["", "```", *traceback.format_exc().strip().splitlines()[-12:], "```"]
+    finally:
+        free_memory()
     return section
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --- the model ---------------------------------------------------------------------------------------
@@ -257,7 +272,7 @@ def speed(section: Section, device, source: str) -> None:
         section.lines.append(f"- labkit {'with' if graphs else 'without'} CUDA graphs: "
                              f"{figures[graphs]:.0f} output tok/s")
         del llm
-        torch.cuda.empty_cache()
+        free_memory()
     hf_generate(hf, prompts[:2], 2)
     hf_time = timed(lambda: hf_generate(hf, prompts, max(outputs)))
     section.lines.append(f"- transformers generate (one padded batch of 64): {total / hf_time:.0f} output tok/s")
