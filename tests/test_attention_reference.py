@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.attention import reference
+from labkit.attention.reference import random_paged_inputs as paged_setup
 from labkit.cache.paged_storage import PagedKVStorage, check_block_size, slot_mapping, slots_for_positions, store_kv
 
 
@@ -17,24 +18,6 @@ def sdpa(q, k, v):
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(group, 0),
                                          v.transpose(0, 1).repeat_interleave(group, 0), attn_mask=mask)
     return out.transpose(0, 1)
-
-
-def paged_setup(k_lens, q_lens, num_kv_heads, head_dim, block_size, num_heads, seed=0, dtype=torch.float32):
-    """Random paged caches holding each sequence's K/V in shuffled blocks, plus q and the metadata."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in k_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((len(k_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
-    for b, n in enumerate(blocks_per_seq):
-        tables[b, :n] = torch.tensor(perm[:n])
-        perm = perm[n:]
-    cu_q = torch.tensor([0, *q_lens]).cumsum(0)
-    cu_k = torch.tensor([0, *k_lens]).cumsum(0)
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, tables, cu_q, cu_k
 
 
 def contiguous_kv(cache, table, n):

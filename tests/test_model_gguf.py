@@ -148,3 +148,9 @@ def test_unexpected_tensor_is_named(hf_state, tmp_path):
     extra = {"blk.0.attn_qkv.weight": np.zeros((4, 4), dtype=np.float32)}
     with pytest.raises(ValueError, match="unexpected tensor 'blk.0.attn_qkv.weight'"):
         load_model(write_gguf(tmp_path / "m.gguf", hf_state, extra=extra))
+
+
+def test_the_random_weights_shape_is_smollm2s():
+    from labkit.model.random_weights import SMOLLM2_135M
+
+    assert load_config("smollm2") == SMOLLM2_135M

@@ -2,13 +2,13 @@
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from labkit.data import JARGON_FILE, data_path
 from labkit.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -21,7 +21,7 @@ from labkit.tokenizer import (
 )
 from labkit.tokenizer.pretokenize import PATTERNS
 
-CORPUS = Path(__file__).resolve().parent.parent / "datasets" / "jargon_file_4.4.7.txt"
+CORPUS = data_path(JARGON_FILE)
 SAMPLE = CORPUS.read_text(encoding="utf-8")[:40_000]
 
 

@@ -8,19 +8,19 @@ everywhere, and transformers' GGUF tokenizer everywhere else and, with the GPT-2
 """
 
 import os
-from pathlib import Path
 
 import pytest
 import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from labkit.data import JARGON_FILE, data_path
 from labkit.registry import resolve_model_path
 from labkit.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-JARGON_PATH = Path(__file__).resolve().parent.parent / "datasets" / "jargon_file_4.4.7.txt"
+JARGON_PATH = data_path(JARGON_FILE)
 JARGON = JARGON_PATH.read_text(encoding="utf-8")
 # Characters Python's Unicode database (14.0) assigns: `tokenizers`' regex engine knows Unicode 16.0 and
 # ours a newer one, so letters assigned after 16.0 may be cut differently (see labkit/tokenizer/pretokenize.py).

@@ -10,9 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_attention_reference import paged_setup  # noqa: E402
 
 from labkit.attention import reference, triton_kernels  # noqa: E402
+from labkit.attention.reference import random_paged_inputs as paged_setup  # noqa: E402
 from labkit.cache.paged_storage import store_kv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -48,8 +48,30 @@ def test_triton_paged_attention_several_kv_heads_and_a_long_chunk():
     assert run_both([70, 3], [70, 2], 64, 16, 3, num_kv_heads=2) <= 1e-5
 
 
-def test_triton_paged_attention_fp16_tolerance():
-    assert run_both([13, 1, 37], [13, 1, 5], 64, 16, 3, num_kv_heads=2, dtype=torch.float16) <= 2e-3
+TOLERANCE = triton_kernels.TOLERANCE  # against the fp32 reference on the same (rounded) inputs
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("k_lens, q_lens, head_dim, block_size, group, num_kv_heads", [
+    ([13, 1, 37], [13, 1, 5], 64, 16, 3, 2),   # prefill, decode and a prefill over a cached prefix
+    ([20, 9], [1, 1], 128, 8, 1, 1),           # decode only, no grouping
+    ([33], [17], 24, 16, 8, 1),                # a chunk; head_dim not a power of two
+])
+def test_triton_paged_attention_in_every_engine_dtype(dtype, k_lens, q_lens, head_dim, block_size, group,
+                                                      num_kv_heads):
+    assert run_both(k_lens, q_lens, head_dim, block_size, group, num_kv_heads, dtype=dtype) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_triton_store_kvcache_in_every_engine_dtype(dtype):
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(3, 4, 2, 16, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(4, 2, 16, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([0, 11, -1, 5])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, expected_k, expected_v, slots)
+    triton_kernels.store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 24])

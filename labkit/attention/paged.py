@@ -15,6 +15,7 @@ attends over its own new tokens (`cu_seqlens_k` must equal `cu_seqlens_q`). The 
 is taken by the torch backend whenever a batch has no cached prefix, which skips the gather.
 """
 
+import importlib.util
 import os
 
 import torch
@@ -27,11 +28,16 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" -> "triton" on CUDA, "torch" elsewhere; "triton" on CPU needs the interpreter."""
+    """"auto" -> "triton" on CUDA (when triton is installed: Linux only), "torch" elsewhere;
+    "triton" on CPU needs the interpreter."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    has_triton = importlib.util.find_spec("triton") is not None
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if backend == "triton" and not has_triton:
+        raise ValueError("backend='triton' needs the triton package (wheels exist for Linux only); "
+                         "use backend='torch'")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "backend='triton' on a CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "

@@ -217,3 +217,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cu_q = torch.arange(q.shape[0] + 1, device=q.device)
     cu_k = F.pad(context_lens.long().cumsum(0), (1, 0))
     return paged_attention(q, k_cache, v_cache, block_tables, cu_q, cu_k)
+
+
+def random_paged_inputs(k_lens, q_lens, num_kv_heads, head_dim, block_size, num_heads, seed=0,
+                        dtype=torch.float32, device="cpu"):
+    """Random paged caches holding each sequence's K/V in shuffled blocks, plus q and the metadata:
+    (q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k), drawn on the CPU from `seed`, then
+    moved to `device`. Tests and `make gpu-check` compare the kernels with the reference on them."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in k_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(k_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    cu_q = torch.tensor([0, *q_lens]).cumsum(0)
+    cu_k = torch.tensor([0, *k_lens]).cumsum(0)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    return tuple(t.to(device) for t in (q, k_cache, v_cache, tables, cu_q, cu_k))

@@ -10,16 +10,22 @@ per group. The softmax is the online one: running max, running sum, rescaled acc
 Triton is imported when a kernel is first used, not when this module is imported, so the module
 loads without triton and TRITON_INTERPRET=1 (the CPU interpreter) only has to be set before the
 first call. Tolerances against `labkit.attention.reference` (on the same inputs, reference in fp32):
-fp32 max abs diff <= 1e-5 (dots use IEEE fp32, not TF32; tested on the CPU interpreter); fp16 <= 2e-3
-on unit-variance inputs (tested on the interpreter: the softmax weights are rounded to fp16 before
-the second dot, as FlashAttention does); bf16 <= 1.6e-2 on CUDA (three fewer mantissa bits than fp16,
-so 8x the rounding; the interpreter cannot run bf16, so this bound is stated, not tested here).
+fp32 max abs diff <= 1e-5 (dots use IEEE fp32, not TF32); fp16 <= 2e-3 on unit-variance inputs (the
+softmax weights are rounded to fp16 before the second dot, as FlashAttention does); bf16 <= 3e-2
+(three fewer mantissa bits than fp16: 8x the rounding, about 1.5e-2 seen, with fp16's 2x margin).
+All three are tested on the interpreter and, compiled, by `make gpu-check`. The interpreter's
+tl.dot garbles bf16 operands (NumPy has no bf16), so there, and only there, bf16 operands are
+widened to fp32 before each dot: exact, since every bf16 is an fp32, and what tensor cores compute
+anyway (exact products, fp32 sums).
 """
 
 import functools
+import os
 
 import torch
 
+# max |kernel - fp32 reference| on the same unit-variance inputs, per dtype (see above)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 
 @functools.cache
 def _kernels():
@@ -42,7 +48,7 @@ def _kernels():
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     ):
         seq, kv_head, m_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_start = tl.load(cu_q_ptr + seq)
@@ -60,6 +66,8 @@ def _kernels():
         d_ok = d < HEAD_DIM
         q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if WIDEN_DOTS:
+            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
@@ -74,6 +82,9 @@ def _kernels():
             kv_mask = k_ok[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            p_dtype = v.dtype  # the softmax weights are rounded to V's dtype before the second dot
+            if WIDEN_DOTS:
+                k, v = k.to(tl.float32), v.to(tl.float32)
 
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [rows, BLOCK_N] fp32
             s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
@@ -82,7 +93,7 @@ def _kernels():
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)  # rescales what was summed under the old max
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision="ieee")
             m_i = m_new
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -147,5 +158,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=max(16, block_n),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=max(16, next_power_of_2(head_dim)),
+        WIDEN_DOTS=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
     )
     return out

@@ -1,11 +1,25 @@
-"""The engine: Sequence, Scheduler (continuous batching), ModelRunner, and the vLLM-style `LLM` API."""
+"""The engine: Sequence, Scheduler (continuous batching), ModelRunner, and the vLLM-style `LLM` API.
 
-from labkit.engine.llm import LLM
-from labkit.engine.metrics import EngineMetrics, RequestMetrics
-from labkit.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from labkit.engine.sequence import FinishReason, Sequence, SequenceStatus
+Names are imported on first use, so `python -m labkit.engine --help` answers without loading torch.
+"""
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EngineMetrics", "FinishReason",
-           "RequestMetrics", "RequestOutput", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence",
-           "SequenceStatus"]
+from importlib import import_module
+
+_EXPORTS = {
+    "LLM": "labkit.engine.llm",
+    "BeamSearchOutput": "labkit.engine.outputs", "BeamSearchSequence": "labkit.engine.outputs",
+    "CompletionOutput": "labkit.engine.outputs", "RequestOutput": "labkit.engine.outputs",
+    "EngineMetrics": "labkit.engine.metrics", "RequestMetrics": "labkit.engine.metrics",
+    "Scheduler": "labkit.engine.scheduler", "SchedulerConfig": "labkit.engine.scheduler",
+    "SchedulerOutput": "labkit.engine.scheduler",
+    "FinishReason": "labkit.engine.sequence", "Sequence": "labkit.engine.sequence",
+    "SequenceStatus": "labkit.engine.sequence",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'labkit.engine' has no attribute {name!r}")

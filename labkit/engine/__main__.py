@@ -6,12 +6,7 @@ questions as arguments, or `--stream` to watch one answer being generated.
 """
 
 import argparse
-
-import torch
-
-from labkit.device import describe_device
-from labkit.engine.llm import LLM
-from labkit.sampling import SamplingParams
+import time
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -21,22 +16,36 @@ QUESTIONS = [
 ]
 
 
-def main(argv=None):
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option shows its default; the description keeps its line breaks."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m labkit.engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("questions", nargs="*", help="questions to ask (default: a few examples)")
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("questions", nargs="*", default=QUESTIONS, help="questions to ask")
     parser.add_argument("--model", default="smollm2", help="a model name, a .gguf file or an HF folder")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (used when temperature > 0)")
     parser.add_argument("--stream", action="store_true", help="stream the answer to the first question")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)  # before torch is imported, so --help and mistakes answer at once
+    print(f"loading {'SmolLM2-135M-Instruct' if args.model == 'smollm2' else args.model}… "
+          "(importing torch, reading the weights)", flush=True)
+    start = time.perf_counter()
+    from labkit.device import describe_device
+    from labkit.engine.llm import LLM
+    from labkit.sampling import SamplingParams
 
     llm = LLM(args.model)
-    print(f"{args.model} on {describe_device(llm.device)}, {llm.model.dtype}; KV cache: "
-          f"{llm.block_manager.num_blocks} blocks of {llm.block_manager.block_size} tokens\n")
+    print(f"loaded in {time.perf_counter() - start:.1f} s: {describe_device(llm.device)}, {llm.model.dtype}; "
+          f"KV cache: {llm.block_manager.num_blocks} blocks of {llm.block_manager.block_size} tokens\n", flush=True)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    questions = args.questions or QUESTIONS
+    questions = args.questions
     if args.stream:
         print(f"> {questions[0]}")
         for piece in llm.stream(llm.tokenizer.apply_chat_template(
@@ -44,7 +53,8 @@ def main(argv=None):
             print(piece, end="", flush=True)
         print("\n")
     else:
-        outputs = llm.chat([[{"role": "user", "content": q}] for q in questions], params)
+        print(f"generating {len(questions)} answer{'s' * (len(questions) > 1)} as one batch…", flush=True)
+        outputs = llm.chat([[{"role": "user", "content": q}] for q in questions], params, use_tqdm=True)
         for question, out in zip(questions, outputs, strict=True):
             m = out.metrics
             tpot = "n/a" if m.tpot is None else f"{1000 * m.tpot:.0f} ms"
@@ -54,5 +64,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with torch.inference_mode():
-        main()
+    main()

@@ -2,12 +2,14 @@
 
 A decode step of a small model on a GPU is dominated by launch overhead, not arithmetic. A CUDA
 graph records the whole forward pass for a fixed batch size once, over static input buffers; each
-step then copies its inputs into those buffers and replays. Steps with up to `max_num_seqs` decodes
-use the smallest recorded size that fits, padding the batch with rows that store nothing
-(slot -1) and attend to block 0 (their output is discarded).
+step then copies its inputs into those buffers and replays. A decode step uses the smallest recorded
+size that fits, padding the batch with rows that store nothing (slot -1) and attend to block 0
+(their output is discarded). Only the sizes the configuration can reach are recorded
+(`capture_sizes`): each graph costs capture time and memory.
 
-UNTESTED: this module only runs on CUDA and the course's development machine has no GPU. It is
-used only when the device is CUDA; if capturing fails the engine warns and runs eagerly.
+UNTESTED: `DecodeGraphs` only runs on CUDA and the course's development machine has no GPU
+(`make gpu-check` runs it); `capture_sizes` is plain arithmetic, tested on the CPU. The engine uses
+graphs only on CUDA; if capturing fails it warns and runs eagerly.
 """
 
 import torch
@@ -15,11 +17,24 @@ import torch
 from labkit.attention.metadata import AttentionMetadata
 
 
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> list[int]:
+    """The decode batch sizes worth a graph: 1, 2, 4, 8, then every 16, up to the largest reachable batch.
+
+    A decode batch is bounded by the sequences the scheduler runs at once, by the tokens one step may
+    batch (one per sequence), and by the KV blocks (every running sequence holds at least one).
+    """
+    largest = min(max_num_seqs, max_num_batched_tokens, num_blocks)
+    if largest < 1:
+        raise ValueError(f"no decode batch is possible with max_num_seqs={max_num_seqs}, "
+                         f"max_num_batched_tokens={max_num_batched_tokens}, num_blocks={num_blocks}")
+    return sorted(s for s in {1, 2, 4, 8, *range(16, largest + 1, 16), largest} if s <= largest)
+
+
 class DecodeGraphs:
-    def __init__(self, model, backend, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int):
+    def __init__(self, model, backend, sizes: list[int], max_blocks_per_seq: int, max_model_len: int):
         dev = model.device
         self.model, self.backend = model, backend
-        self.sizes = sorted({1, 2, 4, 8} | set(range(16, max_num_seqs + 1, 16)) | {max_num_seqs})
+        self.sizes = sorted(sizes)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)

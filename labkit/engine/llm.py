@@ -21,13 +21,15 @@ from collections.abc import Iterator
 
 import torch
 
-from labkit.attention.paged import PagedAttentionBackend
+from labkit.attention.paged import PagedAttentionBackend, resolve_backend
 from labkit.cache.block_manager import BlockManager
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.device import pick_device
 from labkit.engine.beam_search import EngineBeamSearch
+from labkit.engine.cuda_graph import capture_sizes
+from labkit.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, num_blocks_for_memory, profile_cuda_memory
 from labkit.engine.metrics import EngineMetrics, RequestMetrics
-from labkit.engine.model_runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, num_blocks_for_memory
+from labkit.engine.model_runner import ModelRunner
 from labkit.engine.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
 from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from labkit.engine.sequence import FinishReason, Sequence
@@ -54,24 +56,32 @@ class LLM:
             self.model = load_model(model, device=self.device, dtype=dtype)
         self.tokenizer = load_tokenizer(model) if tokenizer is None else tokenizer
         config = self.model.config
+        if max_model_len is None:
+            max_model_len = min(config.max_position_embeddings, 2048)
+        use_graphs = (use_cuda_graph and self.device.type == "cuda"
+                      and resolve_backend(attention_backend, self.device) == "triton")
         if num_kvcache_blocks is None:
-            num_kvcache_blocks = num_blocks_for_memory(config, block_size, self.model.dtype, self.device,
-                                                       gpu_memory_utilization, cpu_kv_cache_bytes)
+            profile = None
+            if self.device.type == "cuda":  # vLLM's profile run: the largest step's activations must fit too
+                largest_decode = min(max_num_seqs, max_num_batched_tokens) if use_graphs else 0
+                profile = profile_cuda_memory(self.model, max_num_batched_tokens, max_num_seqs, largest_decode)
+            num_kvcache_blocks = num_blocks_for_memory(
+                config, block_size, self.model.dtype, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
+                cpu_kv_cache_bytes=cpu_kv_cache_bytes, max_model_len=max_model_len)
         self.storage = PagedKVStorage(config.num_layers, num_kvcache_blocks, block_size, config.num_kv_heads,
                                       config.head_dim, dtype=self.model.dtype, device=self.device)
         self.block_manager = BlockManager(num_kvcache_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching)
-        if max_model_len is None:
-            max_model_len = min(config.max_position_embeddings, 2048)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
                             preemption_mode),
             self.block_manager, self.storage)
         backend = PagedAttentionBackend(self.storage, attention_backend)
         graphs = None
-        if use_cuda_graph and self.device.type == "cuda" and backend.backend == "triton":
-            graphs = _capture_decode_graphs(self.model, backend, max_num_seqs, -(-max_model_len // block_size),
-                                            max_model_len)
+        if use_graphs:
+            graphs = _capture_decode_graphs(self.model, backend,
+                                            capture_sizes(max_num_seqs, max_num_batched_tokens, num_kvcache_blocks),
+                                            -(-max_model_len // block_size), max_model_len)
         self.runner = ModelRunner(self.model, self.storage, backend, graphs)
         self.eos_token_id = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.metrics = EngineMetrics()
@@ -352,13 +362,13 @@ class LLM:
         self.metrics = EngineMetrics()
 
 
-def _capture_decode_graphs(model, backend, max_num_seqs, max_blocks, max_model_len):
+def _capture_decode_graphs(model, backend, sizes, max_blocks, max_model_len):
     """CUDA graphs for decode steps, or None (with a warning) if capturing fails: eager still works."""
     from labkit.engine.cuda_graph import DecodeGraphs
 
     try:
         with torch.inference_mode():
-            return DecodeGraphs(model, backend, max_num_seqs, max_blocks, max_model_len)
+            return DecodeGraphs(model, backend, sizes, max_blocks, max_model_len)
     except Exception as error:  # noqa: BLE001 - any capture failure means: run without graphs
         warnings.warn(f"CUDA graph capture failed, decoding without graphs: {error}", stacklevel=3)
         return None

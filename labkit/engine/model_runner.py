@@ -27,30 +27,6 @@ from labkit.cache.paged_storage import PagedKVStorage
 from labkit.engine.sequence import Sequence
 from labkit.sampling import Sampler, SamplingMetadata
 
-DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
-
-
-def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block for every layer."""
-    return config.num_layers * PagedKVStorage.bytes_per_block_per_layer(
-        block_size, config.num_kv_heads, config.head_dim, dtype)
-
-
-def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, device: torch.device,
-                          gpu_memory_utilization: float = 0.9,
-                          cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES) -> int:
-    """How many KV blocks fit: on CUDA, a fraction of the free memory (weights are already loaded);
-    on the CPU, a fixed budget (host memory is shared with everything else on the machine)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * gpu_memory_utilization)
-    else:
-        budget = int(cpu_kv_cache_bytes)
-    num_blocks = budget // kv_bytes_per_block(config, block_size, dtype)
-    if num_blocks < 1:
-        raise ValueError(f"a KV-cache budget of {budget} bytes holds no block of {block_size} tokens")
-    return num_blocks
-
 
 @dataclass
 class PromptLogits:

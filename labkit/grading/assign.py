@@ -3,7 +3,8 @@
 In each code cell, a `### BEGIN SOLUTION` ... `### END SOLUTION` region becomes `# YOUR CODE HERE`
 and `raise NotImplementedError()` at the marker's indentation, and a `### BEGIN HIDDEN TESTS` ...
 `### END HIDDEN TESTS` region is dropped. Cells that change lose their outputs, and so do check
-cells, whose stored "✔ passed" would be untrue in a notebook nobody has solved yet.
+cells, whose stored "✔ passed" would be untrue in a notebook nobody has solved yet. The first
+markdown cell gets the notebook's "Open in Colab" badge (the address comes from `labkit.course`).
 """
 
 import copy
@@ -11,6 +12,8 @@ import re
 from pathlib import Path
 
 import nbformat
+
+from labkit.course import colab_badge
 
 SOLUTION = ("### BEGIN SOLUTION", "### END SOLUTION")
 HIDDEN = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
@@ -67,7 +70,15 @@ def student_notebook(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookN
             cell.source = source
             cell.outputs = []
             cell.execution_count = None
+    add_colab_badge(student, name)
     return student
+
+
+def add_colab_badge(nb: nbformat.NotebookNode, name: str) -> None:
+    """Put the notebook's "Open in Colab" badge on the first line of its first markdown cell (if any)."""
+    cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if cell is not None:
+        cell.source = f"{colab_badge(name)}\n\n{cell.source}"
 
 
 def generate(solutions: Path, notebooks: Path, check_only: bool = False) -> list[Path]:

@@ -1,14 +1,17 @@
-"""A Llama-family decoder (Llama, SmolLM2, Qwen3) and the loaders that fill it with real weights."""
+"""A Llama-family decoder (Llama, SmolLM2, Qwen3) and the loaders that fill it with real weights.
+
+The GGUF loader (and with it the `gguf` package) is imported when a GGUF file is read, so a machine
+without `gguf` still runs HF folders and random-weights models (`labkit.model.random_weights`).
+"""
 
 from pathlib import Path
 
 import torch
 
-from labkit.device import pick_device
+from labkit.device import default_dtype, pick_device
 from labkit.model.config import ModelConfig, RopeScaling
 from labkit.model.decoder import DecoderModel
 from labkit.model.generate import generate
-from labkit.model.gguf_loader import load_gguf, read_gguf_config
 from labkit.model.hf_loader import load_hf_folder, read_hf_config
 from labkit.registry import resolve_model_path
 
@@ -16,17 +19,22 @@ __all__ = ["DecoderModel", "ModelConfig", "RopeScaling", "default_dtype", "gener
            "load_hf_folder", "load_model"]
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on the CPU (exact, and fast enough); bf16 on GPUs that have it, else fp16."""
-    if device.type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+def __getattr__(name):
+    if name in ("load_gguf", "read_gguf_config"):
+        from labkit.model import gguf_loader
+
+        return getattr(gguf_loader, name)
+    raise AttributeError(f"module 'labkit.model' has no attribute {name!r}")
 
 
 def load_config(name_or_path: str | Path = "smollm2") -> ModelConfig:
     """The architecture numbers of a model, without loading its weights."""
     path = resolve_model_path(name_or_path)
-    return read_hf_config(path) if path.is_dir() else read_gguf_config(path)
+    if path.is_dir():
+        return read_hf_config(path)
+    from labkit.model.gguf_loader import read_gguf_config
+
+    return read_gguf_config(path)
 
 
 def load_model(name_or_path: str | Path = "smollm2", device: torch.device | str | None = None,
@@ -41,6 +49,8 @@ def load_model(name_or_path: str | Path = "smollm2", device: torch.device | str 
     if path.is_dir():
         config, weights = load_hf_folder(path)
     elif path.suffix == ".gguf":
+        from labkit.model.gguf_loader import load_gguf
+
         config, weights = load_gguf(path)
     else:
         raise ValueError(f"don't know how to load {path}: expected a .gguf file or a model folder")

@@ -12,7 +12,7 @@ from torch import nn
 from labkit.attention.dense import dense_attention
 from labkit.attention.metadata import AttentionBackend, AttentionMetadata
 from labkit.model.config import ModelConfig
-from labkit.model.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from labkit.model.layers import DecoderLayer, RMSNorm, residual_dtype, rope_cos_sin, rope_inv_freq
 
 
 class DecoderModel(nn.Module):
@@ -42,7 +42,7 @@ class DecoderModel(nn.Module):
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
                                  device=input_ids.device)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(residual_dtype(self.dtype))
         for layer in self.layers:
             x = layer(x, cos, sin, attn_metadata, backend)
         return self.norm(x)

@@ -3,6 +3,10 @@
 All of them work on a flat batch: [T, ...] tensors holding the new tokens of every sequence in a
 step, with no padding. Attention is the only block that needs to know where one sequence ends and
 the next begins; it hands that question to the attention backend together with the metadata.
+
+fp16 (the dtype on GPUs older than sm80) tops out at 65,504, and a decoder's residual stream can
+grow past that: the decoder then carries the residual in fp32 (see `residual_dtype`), every norm
+hands its sublayer the weights' dtype, and what a sublayer adds back is clamped to fp16's range.
 """
 
 import math
@@ -15,8 +19,24 @@ from labkit.attention.metadata import AttentionBackend, AttentionMetadata
 from labkit.model.config import ModelConfig, RopeScaling
 
 
+def residual_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for an fp16 model (whose range the residual stream can outgrow), else the model's dtype."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def clamp_to_range(x: torch.Tensor) -> torch.Tensor:
+    """Saturate fp16 values at +-65,504 instead of letting them overflow to inf (and then NaN)."""
+    if x.dtype != torch.float16:
+        return x
+    limit = torch.finfo(torch.float16).max
+    return x.clamp(-limit, limit)
+
+
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 whatever the model's dtype (as Llama does)."""
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 whatever the model's dtype (as Llama does).
+
+    The result has the weight's dtype, so an fp32 residual stream feeds an fp16 sublayer in fp16.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -26,7 +46,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * x32.to(self.weight.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
@@ -108,7 +128,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(clamp_to_range(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -122,5 +142,5 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + clamp_to_range(self.self_attn(self.input_layernorm(x), cos, sin, meta, backend))
+        return x + clamp_to_range(self.mlp(self.post_attention_layernorm(x)))

@@ -2,13 +2,13 @@
 
 import random
 from collections import Counter
-from pathlib import Path
 
+from labkit.data import JARGON_FILE, data_path
 from labkit.grading import ExerciseFailed, exercise, require
 from labkit.tokenizer import Tokenizer, merge_pair, pair_counts, pretokenize, train
 from labkit.tokenizer.bpe import learned_vocab
 
-_CORPUS = Path(__file__).resolve().parents[3] / "datasets" / "jargon_file_4.4.7.txt"
+_CORPUS = data_path(JARGON_FILE)
 
 
 def _random_ids(rng: random.Random, length: int, alphabet: int = 4) -> list[int]:

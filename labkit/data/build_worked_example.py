@@ -7,20 +7,16 @@ reproduce those results and records how. Each missing matrix solves an underdete
 A W = B (two prompt rows, more unknowns), and we take its minimum-norm exact solution W = pinv(A) B:
 the smallest weights that agree with the book.
 
-Run from the repository root:  python datasets/build_worked_example.py
+Run:  python -m labkit.data.build_worked_example
 """
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from labkit.worked_example import DATA_PATH, DTYPE, attend, build_x, sinusoidal_positions  # noqa: E402
+from labkit.worked_example import DATA_PATH, DTYPE, attend, build_x, sinusoidal_positions
 
 VOCAB = ["<PAD>", "I", "love", "AI", "<EOS>"]
 PROMPT = ["I", "love"]
@@ -118,7 +114,7 @@ def build() -> dict:
     return {
         "description": "The tiny one-layer, two-head model of the book's chapter 10 worked example "
                        "(seed 002, §10.3-10.4), and every number the book prints for it.",
-        "built_by": "datasets/build_worked_example.py",
+        "built_by": "labkit/data/build_worked_example.py",
         "vocab": VOCAB,
         "prompt": PROMPT,
         "weights": {name: {"source": source, "how": how, "values": value.tolist()}
@@ -136,4 +132,4 @@ def to_json(data: dict) -> str:
 
 if __name__ == "__main__":
     DATA_PATH.write_text(to_json(build()))
-    print(f"wrote {DATA_PATH.relative_to(ROOT)}")
+    print(f"wrote {DATA_PATH}")

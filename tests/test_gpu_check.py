@@ -1,0 +1,88 @@
+"""`make gpu-check` exercised on this CPU (--dry-run): the report writer runs the CPU-runnable parts for
+real (the Triton kernels on the interpreter in three dtypes, engine greedy parity with transformers on
+a 2-layer random-weights SmolLM2-shaped model) and marks every CUDA part "no CUDA"."""
+
+import importlib.util
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real `make gpu-check`")
+
+
+def test_dry_run_writes_a_report_of_the_cpu_parts_and_skips_cuda(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what gpu_check sets on a CPU, kept to this test
+    assert gpu_check.main(["--dry-run", "--model", "random", "--out", str(tmp_path)]) == 0
+    [report] = tmp_path.glob("*-cpu.md")
+    text = report.read_text()
+    assert text.startswith("# GPU check: cpu\n")
+    assert "Sections: 3 passed, 0 failed, 3 skipped." in text
+    assert "## Triton kernels vs the torch reference: PASS" in text
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert text.count(f"- ok: paged_attention {dtype}") == 3
+        assert f"- ok: store_kvcache {dtype}" in text
+    assert "SmolLM2-135M-shaped, random weights (seed 0)" in text
+    assert text.count("greedy tokens: identical") == 2
+    for title in ("CUDA graphs (fp32)", "Solution notebooks under nbval", "Speed"):
+        assert f"{title}: SKIPPED\n\n- no CUDA: skipped (this part needs a GPU)" in text
+    assert f"report written to {report}" in capsys.readouterr().out
+
+
+def test_without_cuda_and_without_dry_run_it_refuses(tmp_path, capsys):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device: `make gpu-check` needs one (--dry-run" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failing_part_fails_its_section_and_the_exit_status_not_the_rest():
+    def broken(section):
+        section.check(True, "first result")
+        raise RuntimeError("kernel did not compile")
+
+    section = gpu_check.run_section("Broken", broken)
+    assert section.status == "fail"
+    assert section.lines[0] == "- ok: first result"
+    assert "- FAILED with RuntimeError: kernel did not compile" in section.lines
+    text = gpu_check.report_markdown("NVIDIA T4", [section, gpu_check.no_cuda("Speed")], False, 1.0)
+    assert "Sections: 0 passed, 1 failed, 1 skipped." in text and "## Broken: FAIL" in text
+
+
+def test_nbval_results_are_summarized_per_notebook(tmp_path):
+    junit = tmp_path / "nbval.xml"
+    lab05, lab06 = "solutions/05_real_model_kv_cache.ipynb", "solutions/06_sampling.ipynb"
+    junit.write_text(textwrap.dedent(f"""\
+        <testsuites><testsuite>
+          <testcase classname="solutions.05" name="Cell 0" file="{lab05}"/>
+          <testcase classname="solutions.05" name="Cell 3" file="{lab05}">
+            <failure message="Notebook cell execution failed&#10;details">...</failure></testcase>
+          <testcase classname="solutions.06" name="Cell 0" file="{lab06}"/>
+        </testsuite></testsuites>"""))
+    assert gpu_check.summarize_junit(junit) == {
+        "05_real_model_kv_cache.ipynb": (1, 2, ["Cell 3: Notebook cell execution failed"]),
+        "06_sampling.ipynb": (1, 1, []),
+    }
+
+
+def test_the_model_falls_back_to_random_weights_without_the_gguf(monkeypatch):
+    assert gpu_check.model_source("random") == "random"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "gguf" else real_find_spec(name, *args))
+    assert gpu_check.model_source("auto") == "random"
+
+
+def test_gpu_reports_are_committed_not_ignored():
+    import subprocess
+
+    ignored = subprocess.run(["git", "check-ignore", "-q", "reports/gpu/2026-01-01-nvidia-t4.md"], cwd=ROOT)
+    assert ignored.returncode == 1, "reports/gpu/ must not be git-ignored"
+    assert subprocess.run(["git", "check-ignore", "-q", "reports/grades.json"], cwd=ROOT).returncode == 0
+    assert os.path.isfile(ROOT / ".nbval_sanitize_gpu.cfg")
