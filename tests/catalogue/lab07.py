@@ -6,6 +6,8 @@ import torch
 
 from catalogue import Right, Wrong
 from labkit.attention.reference import gather_kv, online_softmax_attention
+from labkit.cache.block_manager import BlockManager
+from labkit.cache.sequence_blocks import BlockSequence
 from labkit.grading.labs.lab07 import _reference_gather, _reference_savings
 
 # ---- SimpleBlockAllocator
@@ -90,6 +92,35 @@ class SetAllocator:
 
     def get_utilization(self):
         return (self.total_blocks - len(self.free)) / self.total_blocks
+
+
+class ManagerAllocator:
+    """labkit's BlockManager behind the exercise's interface."""
+
+    def __init__(self, total_blocks, block_size):
+        self.manager, self.total, self.seqs = BlockManager(total_blocks, block_size, enable_prefix_caching=False), \
+            total_blocks, {}
+
+    def allocate_sequence(self, seq_id, length):
+        self.seqs[seq_id] = BlockSequence(seq_id, [0] * length)
+        self.manager.allocate(self.seqs[seq_id])
+        return list(self.seqs[seq_id].block_table)
+
+    def append_tokens(self, seq_id, num_tokens):
+        seq = self.seqs[seq_id]
+        before = len(seq.block_table)
+        seq.token_ids.extend([0] * num_tokens)
+        self.manager.append(seq)
+        return seq.block_table[before:] or None
+
+    def free_sequence(self, seq_id):
+        seq = self.seqs.pop(seq_id)
+        held = len(seq.block_table)
+        self.manager.deallocate(seq)
+        return held
+
+    def get_utilization(self):
+        return 1 - self.manager.num_free_blocks / self.total
 
 
 # ---- calculate_memory_savings
@@ -215,6 +246,10 @@ WRONG = [
     Wrong("SimpleBlockAllocator", "utilization of token slots", allocator_with("tokens"), "counted tokens"),
     Wrong("SimpleBlockAllocator", "free_sequence returns nothing", allocator_with("no_count"),
           "free_sequence returned None"),
+    Wrong("SimpleBlockAllocator", "wraps labkit's BlockManager", ManagerAllocator,
+          "labkit.cache.block_manager.BlockManager.allocate", calls="labkit.cache.block_manager.BlockManager.allocate"),
+    Wrong("calculate_memory_savings", "imports the grader's reference", lambda **kw: _reference_savings(**kw),
+          "labkit.grading.labs.lab07._reference_savings", calls="labkit.grading.labs.lab07._reference_savings"),
     Wrong("calculate_memory_savings", "paged memory not rounded to blocks", lambda **kw: savings(**kw, unrounded=True),
           "round each sequence up"),
     Wrong("calculate_memory_savings", "percent of the paged memory", lambda **kw: savings(**kw, relative_to_paged=True),

@@ -31,7 +31,7 @@ _KV_MISTAKES = (
 )
 
 
-@exercise("02", "kv_cache_bytes")
+@exercise("02", "kv_cache_bytes", forbidden=("labkit.grading.labs.lab02._kv_bytes",))
 def kv_cache_bytes(ns):
     fn = require(ns, "kv_cache_bytes")
     answers = []
@@ -76,7 +76,7 @@ _INTENSITY_MISTAKES = (
 _SHAPES = ((1, 4096, 4096, 2), (512, 4096, 11008, 2), (7, 300, 50, 4))
 
 
-@exercise("02", "matmul_intensity")
+@exercise("02", "matmul_intensity", forbidden=("labkit.grading.labs.lab02._intensity",))
 def matmul_intensity(ns):
     fn = require(ns, "matmul_intensity")
     answers = []

@@ -21,7 +21,7 @@ def _rms(x, w, eps):
 
 
 @exercise("05", "rms_norm", forbidden=("labkit.model.layers.RMSNorm.forward", "torch.nn.functional.rms_norm",
-                                         "torch.nn.RMSNorm.forward"))
+                                         "torch.nn.RMSNorm.forward", "labkit.grading.labs.lab05._rms"))
 def rms_norm(ns):
     fn = require(ns, "rms_norm")
     g = torch.Generator().manual_seed(50)
@@ -75,7 +75,7 @@ def _rotary(x, positions, theta, *, interleaved=False, sign=1.0, exponent=2):
 
 
 @exercise("05", "apply_rotary", forbidden=("labkit.model.layers.apply_rotary", "labkit.model.layers.rope_cos_sin",
-                                             "labkit.model.layers.rope_inv_freq"))
+                                             "labkit.model.layers.rope_inv_freq", "labkit.grading.labs.lab05._rotary"))
 def apply_rotary(ns):
     fn = require(ns, "apply_rotary")
     g = torch.Generator().manual_seed(51)
@@ -128,6 +128,7 @@ def _attend(q, k, v, cached, *, scale=True, align_end=True, interleave=True):
 @exercise("05", "attention_with_cache", forbidden=(
     "labkit.attention.dense.causal_attention", "labkit.attention.dense.dense_attention",
     "labkit.attention.reference.naive_attention", "labkit.cache.KVCache.__call__", "labkit.cache.KVCache.update",
+    "labkit.grading.labs.lab05._attend",
 ))
 def attention_with_cache(ns):
     fn = require(ns, "attention_with_cache")

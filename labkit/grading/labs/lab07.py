@@ -11,6 +11,7 @@ from labkit.grading import ExerciseFailed, exercise, require
 @exercise("07", "SimpleBlockAllocator", forbidden=(
     "labkit.cache.block_manager.BlockManager.allocate", "labkit.cache.block_manager.BlockManager.append",
     "labkit.cache.block_manager.BlockManager.deallocate", "labkit.cache.block_manager.BlockManager.blocks_needed",
+    "labkit.cache.block_manager.BlockManager.can_allocate",
 ))
 def simple_block_allocator(ns):
     cls = require(ns, "SimpleBlockAllocator", type)
@@ -59,7 +60,7 @@ def _reference_savings(num_sequences, avg_length, max_length, block_size, memory
             "utilization_traditional": used / traditional, "utilization_paged": used / paged}
 
 
-@exercise("07", "calculate_memory_savings")
+@exercise("07", "calculate_memory_savings", forbidden=("labkit.grading.labs.lab07._reference_savings",))
 def calculate_memory_savings(ns):
     fn = require(ns, "calculate_memory_savings")
     for args in (dict(num_sequences=30, avg_length=1000, max_length=2048, block_size=16, memory_per_token=512),
@@ -92,7 +93,7 @@ def _reference_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
 
 @exercise("07", "gather_kv_from_blocks", forbidden=(
     "labkit.attention.reference.gather_kv", "labkit.attention.reference.paged_attention",
-    "labkit.attention.reference.PagedAttentionPlan.run",
+    "labkit.attention.reference.PagedAttentionPlan.run", "labkit.grading.labs.lab07._reference_gather",
 ))
 def gather_kv_from_blocks(ns):
     fn = require(ns, "gather_kv_from_blocks")
@@ -127,7 +128,8 @@ def _softmax_attention(query, keys, values, scale):
     return torch.einsum("hb,bhd->hd", weights, values)
 
 
-@exercise("07", "online_softmax_attention", forbidden=("labkit.attention.reference.online_softmax_attention",))
+@exercise("07", "online_softmax_attention", forbidden=("labkit.attention.reference.online_softmax_attention",
+                                                      "labkit.grading.labs.lab07._softmax_attention"))
 def online_softmax(ns):
     fn = require(ns, "online_softmax_attention")
     g = torch.Generator().manual_seed(3)
