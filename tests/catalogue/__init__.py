@@ -7,8 +7,9 @@ One module per lab (`labNN.py`) holds two lists, driven by tests/test_grading_ca
     RIGHT = [Right(exercise, style, answer), ...]                     # must get full marks
 
 `answer` is what the student's cell would define under the exercise's name (a function or a class).
-A wrong answer that only calls a labkit reference or a forbidden built-in sets `calls`, the dotted
-path its feedback must name: those fail through the grading runtime's forbidden-call tripwire.
+A wrong answer that only calls a labkit reference or a forbidden built-in sets `calls`, the forbidden
+path it leans on (its feedback names it: labkit's own by name, a torch built-in by its full path);
+those fail through the grading runtime's forbidden-call tripwire.
 """
 
 from collections.abc import Callable

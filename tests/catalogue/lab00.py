@@ -48,9 +48,9 @@ WRONG = [
     Wrong("softmax", "returned a nested list", lambda x: vectorised(x).tolist(), "expected a tensor"),
     Wrong("softmax", "divided by the row max, not the sum", lambda x: x.exp() / x.exp().amax(-1, keepdim=True),
           "not exp(x) / sum(exp(x))"),
-    Wrong("softmax", "called torch.softmax", lambda x: torch.softmax(x, -1), "torch.softmax", calls="torch.softmax"),
-    Wrong("softmax", "called torch.special.softmax", lambda x: torch.special.softmax(x, -1), "torch.special.softmax",
+    Wrong("softmax", "called torch.softmax", lambda x: torch.softmax(x, -1), "`torch.softmax`", calls="torch.softmax"),
+    Wrong("softmax", "called torch.special.softmax", lambda x: torch.special.softmax(x, -1), "`torch.special.softmax`",
           calls="torch.special.softmax"),
-    Wrong("softmax", "exp of F.log_softmax", lambda x: F.log_softmax(x, -1).exp(), "torch.nn.functional.log_softmax",
+    Wrong("softmax", "exp of F.log_softmax", lambda x: F.log_softmax(x, -1).exp(), "`torch.nn.functional.log_softmax`",
           calls="torch.nn.functional.log_softmax"),
 ]

@@ -241,7 +241,7 @@ WRONG = [
           lambda ids: Counter(zip(ids, ids[1:] + ids[:1], strict=False)), "for ids="),
     Wrong("get_pair_counts", "hard-codes the notebook's example", lambda ids: {(1, 2): 2, (2, 3): 1, (3, 1): 1},
           "for ids=[] expected {}"),
-    Wrong("get_pair_counts", "calls labkit's pair_counts", lambda ids: pair_counts(ids), "labkit.tokenizer.pair_counts",
+    Wrong("get_pair_counts", "calls labkit's pair_counts", lambda ids: pair_counts(ids), "`pair_counts`",
           calls="labkit.tokenizer.pair_counts"),
     Wrong("merge", "mutates the input list", merge_in_place, "changed the list it was given"),
     Wrong("merge", "merges only the first occurrence", merge_first_only, "only the first occurrence was merged"),
@@ -251,7 +251,7 @@ WRONG = [
     Wrong("merge", "merges (b, a) too", merge_either_order, "also merged the reversed pair"),
     Wrong("merge", "returns a tuple", lambda ids, pair, new_id: tuple(merge_while(ids, pair, new_id)), "return a list"),
     Wrong("merge", "calls labkit's merge_pair", lambda ids, pair, new_id: merge_pair(ids, pair, new_id),
-          "labkit.tokenizer.merge_pair", calls="labkit.tokenizer.merge_pair"),
+          "`merge_pair`", calls="labkit.tokenizer.merge_pair"),
     Wrong("train_bpe", "re-counts the raw text each step (the seed's bug)", seed_style_training, "the seed's bug"),
     Wrong("train_bpe", "counts across pretokenized pieces", train_on_raw_bytes, "counted across piece boundaries"),
     Wrong("train_bpe", "ties go to the first pair seen", train_ties_to_first_seen, "ties going to the smaller pair"),
@@ -259,7 +259,7 @@ WRONG = [
     Wrong("train_bpe", "new ids start at 257", train_off_by_one_ids, "new ids must be 256, 257"),
     Wrong("train_bpe", "one merge too few", train_one_merge_short, "asked for 40 merges, got 39"),
     Wrong("train_bpe", "calls labkit's train", lambda text, n: {p: 256 + i for i, p in enumerate(
-        train(text, 256 + n).merges)}, "labkit.tokenizer.train", calls="labkit.tokenizer.train"),
+        train(text, 256 + n).merges)}, "`train`", calls="labkit.tokenizer.train"),
     Wrong("encode", "returns the raw UTF-8 bytes", lambda text, merges: list(text.encode()), "no merge was applied"),
     Wrong("encode", "merges across pretokenized pieces", encode_all_text_at_once, "applied across piece boundaries"),
     Wrong("encode", "picks the most frequent pair, not the earliest merge", encode_by_frequency,
@@ -268,5 +268,5 @@ WRONG = [
     Wrong("encode", "returns the decoded string", lambda text, merges: text, "return a list of ids"),
     Wrong("encode", "calls labkit's apply_merges", lambda text, merges: [i for piece in pretokenize(text) for i in
           apply_merges(list(piece.encode()), {p: (n - 256, n) for p, n in merges.items()})],
-          "labkit.tokenizer.apply_merges", calls="labkit.tokenizer.apply_merges"),
+          "`apply_merges`", calls="labkit.tokenizer.apply_merges"),
 ]

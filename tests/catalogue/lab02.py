@@ -60,7 +60,7 @@ WRONG = [
     Wrong("kv_cache_bytes", "an extra token", lambda **c: kv_product(**{**c, "seq_len": c["seq_len"] + 1}),
           "expected 2 x L"),
     Wrong("kv_cache_bytes", "imports the grader's formula", lambda **c: _kv_bytes(*c.values()),
-          "labkit.grading.labs.lab02._kv_bytes", calls="labkit.grading.labs.lab02._kv_bytes"),
+          "`_kv_bytes`", calls="labkit.grading.labs.lab02._kv_bytes"),
     Wrong("matmul_intensity", "one FLOP per multiply-add", lambda m, k, n, b=2: intensity(m, k, n, b) / 2, "2 FLOPs"),
     Wrong("matmul_intensity", "divided by elements, not bytes", lambda m, k, n, b=2: intensity(m, k, n, 1),
           "divide by bytes"),
@@ -75,5 +75,5 @@ WRONG = [
           "integer division"),
     Wrong("matmul_intensity", "returned the FLOP count", lambda m, k, n, b=2: 2 * m * k * n, "expected 2mkn"),
     Wrong("matmul_intensity", "imports the grader's formula", lambda m, k, n, b=2: _intensity(m, k, n, b),
-          "labkit.grading.labs.lab02._intensity", calls="labkit.grading.labs.lab02._intensity"),
+          "`_intensity`", calls="labkit.grading.labs.lab02._intensity"),
 ]

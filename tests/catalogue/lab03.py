@@ -65,7 +65,7 @@ WRONG = [
     Wrong("build_x", "returned a list of rows", lambda E, PE, ids: list(E[torch.tensor(ids)] + PE[: len(ids)]),
           "should be a torch.Tensor"),
     Wrong("build_x", "calls labkit's worked example", lambda E, PE, ids: ref.build_x(E, PE, ids),
-          "labkit.worked_example.build_x", calls="labkit.worked_example.build_x"),
+          "`build_x`", calls="labkit.worked_example.build_x"),
     Wrong("scaled_scores", "forgot to scale", lambda q, k: q @ k.T, "not divided by sqrt(d_k)"),
     Wrong("scaled_scores", "divided by d_k", lambda q, k: q @ k.T / k.shape[-1], "divided by d_k"),
     Wrong("scaled_scores", "hard-coded the example's sqrt(2)", lambda q, k: q @ k.T / math.sqrt(2),
@@ -77,7 +77,7 @@ WRONG = [
     Wrong("scaled_scores", "applied the softmax already", lambda q, k: (q @ k.T / math.sqrt(k.shape[-1])).softmax(-1),
           "the softmax was applied"),
     Wrong("scaled_scores", "calls labkit's worked example", lambda q, k: ref.scaled_scores(q, k),
-          "labkit.worked_example.scaled_scores", calls="labkit.worked_example.scaled_scores"),
+          "`scaled_scores`", calls="labkit.worked_example.scaled_scores"),
     Wrong("causal_softmax", "mask hides the diagonal", lambda s: s.masked_fill(
         torch.ones_like(s, dtype=torch.bool).triu(0), float("-inf")).softmax(-1), "hides the diagonal"),
     Wrong("causal_softmax", "mask hides the diagonal with -1e9", lambda s: s.masked_fill(
@@ -92,5 +92,5 @@ WRONG = [
     Wrong("causal_softmax", "hides the past", lambda s: s.masked_fill(future(s).T, float("-inf")).softmax(-1),
           "hides the past"),
     Wrong("causal_softmax", "calls labkit's worked example", lambda s: ref.causal_softmax(s),
-          "labkit.worked_example.causal_softmax", calls="labkit.worked_example.causal_softmax"),
+          "`causal_softmax`", calls="labkit.worked_example.causal_softmax"),
 ]

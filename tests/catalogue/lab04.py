@@ -56,7 +56,7 @@ WRONG = [
     Wrong("embed_token", "rebuilt every row up to the position", lambda E, PE, t, p: E[[t] * (p + 1)] + PE[: p + 1],
           "should have shape (1, 3)"),
     Wrong("embed_token", "calls labkit's worked example", lambda E, PE, t, p: ref.build_x(E, PE, [t], start=p),
-          "labkit.worked_example.build_x", calls="labkit.worked_example.build_x"),
+          "`build_x`", calls="labkit.worked_example.build_x"),
     Wrong("append_and_attend", "replaced the cache with the new row",
           lambda ck, cv, q, k, v: (k, v, attend(k, v, q)), "replaced instead of appended"),
     Wrong("append_and_attend", "appended along the feature axis",
@@ -81,6 +81,6 @@ WRONG = [
           "should have shape (1, 3)"),
     Wrong("append_and_attend", "calls labkit's worked example",
           lambda ck, cv, q, k, v: (*appended(ck, cv, k, v), ref.attend(q, *appended(ck, cv, k, v))[2]),
-          "labkit.worked_example.attend",
+          "`attend`",
           calls="labkit.worked_example.attend"),
 ]

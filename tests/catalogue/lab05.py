@@ -152,7 +152,7 @@ WRONG = [
     Wrong("rms_norm", "computed in fp16 (overflows at ±400)", rms_fp16, "x^2 overflows fp16"),
     Wrong("rms_norm", "normalises x in place", rms_in_place, "changed its input x in place"),
     Wrong("rms_norm", "calls torch's F.rms_norm", lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps),
-          "torch.nn.functional.rms_norm", calls="torch.nn.functional.rms_norm"),
+          "`torch.nn.functional.rms_norm`", calls="torch.nn.functional.rms_norm"),
     Wrong("apply_rotary", "returned x unrotated", lambda x, p, theta: x, "unchanged"),
     Wrong("apply_rotary", "rotated neighbouring pairs", lambda x, p, theta: lab05._rotary(
         x, p, theta, interleaved=True).float(), "neighbouring pairs"),
@@ -167,7 +167,7 @@ WRONG = [
     Wrong("apply_rotary", "ignored positions (assumed 0..T-1)", lambda x, p, theta: lab05._rotary(
         x, torch.arange(x.shape[0]), theta).float(), "positions argument was ignored"),
     Wrong("apply_rotary", "returned only the first half", lambda x, p, theta: x[:, :, :4], "should have shape"),
-    Wrong("apply_rotary", "calls labkit's apply_rotary", rotary_labkit, "labkit.model.layers.apply_rotary",
+    Wrong("apply_rotary", "calls labkit's apply_rotary", rotary_labkit, "`apply_rotary`",
           calls="labkit.model.layers.apply_rotary"),
     Wrong("attention_with_cache", "never stores into the cache", make_attention(append=False), "append k_new"),
     Wrong("attention_with_cache", "new keys in front of the cache", make_attention(front=True), "position order"),
@@ -181,5 +181,5 @@ WRONG = [
     Wrong("attention_with_cache", "attends over the new tokens only", new_tokens_only, "differs from causal attention"),
     Wrong("attention_with_cache", "returned the wrong shape", lambda q, k, v, cache: q[:, :2], "should have shape"),
     Wrong("attention_with_cache", "calls labkit's causal_attention", labkit_causal,
-          "labkit.attention.dense.causal_attention", calls="labkit.attention.dense.causal_attention"),
+          "`causal_attention`", calls="labkit.attention.dense.causal_attention"),
 ]

@@ -129,7 +129,7 @@ WRONG = [
           torch.full_like(x, 1 / x.shape[-1]), "probability 1 on the argmax"),
     Wrong("temperature_probs", "divides the input in place", in_place_temperature, "changed its input logits in place"),
     Wrong("temperature_probs", "calls labkit's filter_logits", lambda x, t: filter_logits(x, temperature=t).softmax(-1),
-          "labkit.sampling.filter_logits", calls="labkit.sampling.filter_logits"),
+          "`filter_logits`", calls="labkit.sampling.filter_logits"),
     Wrong("top_k_filter", "removed logits set to 0",
           lambda x, k: x.masked_fill(x < x.topk(k, -1).values[..., -1:], 0.0),
           "set them to -inf"),
@@ -145,7 +145,7 @@ WRONG = [
     Wrong("top_k_filter", "keeps the k smallest", lambda x, k: x.masked_fill(
         x > x.topk(k, -1, largest=False).values[..., -1:], NEG_INF), "kept the k smallest"),
     Wrong("top_k_filter", "calls labkit's filter_logits", lambda x, k: filter_logits(x, top_k=k),
-          "labkit.sampling.filter_logits", calls="labkit.sampling.filter_logits"),
+          "`filter_logits`", calls="labkit.sampling.filter_logits"),
     Wrong("top_p_filter", "can remove every token", lambda x, p: x.masked_fill(x.softmax(-1) < 0, NEG_INF)
           if p > 0.9 else x.masked_fill(torch.ones_like(x, dtype=torch.bool), NEG_INF), "a row lost every token"),
     Wrong("top_p_filter", "drops the token that crosses top_p", top_p_dropping_the_crossing_token,
@@ -157,7 +157,7 @@ WRONG = [
     Wrong("top_p_filter", "filters in place", lambda x, p: x.copy_(top_p_scatter(x, p)),
           "changed its input logits in place"),
     Wrong("top_p_filter", "calls labkit's filter_logits", lambda x, p: filter_logits(x, top_p=p),
-          "labkit.sampling.filter_logits", calls="labkit.sampling.filter_logits"),
+          "`filter_logits`", calls="labkit.sampling.filter_logits"),
     Wrong("sample_next", "always the argmax", lambda x, t, g: int(x.argmax()), "every draw is the same token"),
     Wrong("sample_next", "T = 0 still samples", lambda x, t, g: int(torch.multinomial(x.softmax(-1), 1, generator=g)),
           "temperature 0 must always return the argmax"),
@@ -173,6 +173,6 @@ WRONG = [
     Wrong("sample_next", "ignores its generator (python random)", sample_python_random, "the generator was ignored"),
     Wrong("sample_next", "divides the logits in place", in_place_sample, "changed its input logits in place"),
     Wrong("sample_next", "calls labkit's filter_logits", lambda x, t, g: int(torch.multinomial(
-        filter_logits(x, temperature=t).softmax(-1), 1, generator=g)), "labkit.sampling.filter_logits",
+        filter_logits(x, temperature=t).softmax(-1), 1, generator=g)), "`filter_logits`",
           calls="labkit.sampling.filter_logits"),
 ]

@@ -142,7 +142,7 @@ WRONG = [
           "row of slot s starts at s * num_kv_heads * head_dim"),
     Wrong("store_kvcache", "slot -1 wraps to the last row", lambda *a: store_torch(*a, mask=False),
           "cache rows differ"),
-    Wrong("store_kvcache", "calls labkit's store_kv", labkit_store, "labkit.cache.paged_storage.store_kv",
+    Wrong("store_kvcache", "calls labkit's store_kv", labkit_store, "`store_kv`",
           calls="labkit.cache.paged_storage.store_kv"),
     Wrong("paged_decode", "no mask past the context (Triton)", decode_variant(mask=False), "past the context length"),
     Wrong("paged_decode", "GQA head by modulo (Triton)", decode_variant(gqa_div=False), "h % num_kv_heads"),
@@ -155,6 +155,6 @@ WRONG = [
     Wrong("paged_decode", "returned [num_seqs, head_dim]", lambda *a: decode_torch(*a)[:, 0],
           "expected a [num_seqs, num_heads, head_dim]"),
     Wrong("paged_decode", "calls labkit's reference", lambda *a: paged_decode_attention(*a),
-          "labkit.attention.reference.paged_decode_attention",
+          "`paged_decode_attention`",
           calls="labkit.attention.reference.paged_decode_attention"),
 ]

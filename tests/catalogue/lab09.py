@@ -120,7 +120,7 @@ WRONG = [
     Wrong("chain_hashes", "hard-coded blocks of 4", lambda t, bs: chain(t, 4), "other lengths or block sizes"),
     Wrong("chain_hashes", "returns a tuple", lambda t, bs: tuple(chain(t, bs)), "return a list"),
     Wrong("chain_hashes", "imports the grader's reference", lambda t, bs: _reference_chain(t, bs),
-          "labkit.grading.labs.lab09._reference_chain", calls="labkit.grading.labs.lab09._reference_chain"),
+          "`_reference_chain`", calls="labkit.grading.labs.lab09._reference_chain"),
     Wrong("cached_prefix_blocks", "keeps going after a miss", lambda *a: lookup(*a, stop_at_miss=False),
           "after a miss nothing may hit"),
     Wrong("cached_prefix_blocks", "trusts the hash without checking tokens", lambda *a: lookup(*a, check_tokens=False),
@@ -135,7 +135,7 @@ WRONG = [
     Wrong("cached_prefix_blocks", "returns Block objects", lambda *a: lookup(*a, answer="blocks"),
           "not Block objects"),
     Wrong("cached_prefix_blocks", "calls BlockManager.prefix_hits", labkit_prefix_hits,
-          "labkit.cache.block_manager.BlockManager.prefix_hits",
+          "`prefix_hits`",
           calls="labkit.cache.block_manager.BlockManager.prefix_hits"),
     Wrong("take_free_block", "evicts while never-cached blocks are free", lambda *a: take(*a, prefer_uncached=False),
           "never-cached block was free"),
@@ -149,7 +149,7 @@ WRONG = [
           "first never-cached free block"),
     Wrong("take_free_block", "clears the other cached blocks", greedy_take, "other cached blocks"),
     Wrong("take_free_block", "calls BlockManager._take_free_block", lambda u, c, t, b: _labkit_take(u, c, t, b),
-          "labkit.cache.block_manager.BlockManager._take_free_block",
+          "`_take_free_block`",
           calls="labkit.cache.block_manager.BlockManager._take_free_block"),
 ]
 

@@ -83,7 +83,7 @@ WRONG = [
     Wrong("can_append", "counts one token too many", lambda n, h, bs, f: -(-(n + 1) // bs) - h <= f, "expected"),
     Wrong("can_append", "returns an int", lambda n, h, bs, f: int(n // bs - h <= f), "must return True or False"),
     Wrong("can_append", "calls BlockManager.can_append", labkit_can_append,
-          "labkit.cache.block_manager.BlockManager.can_append",
+          "`can_append`",
           calls="labkit.cache.block_manager.BlockManager.can_append"),
     Wrong("schedule_step", "skips a head that does not fit", lambda *a: schedule(*a, skip=True), "starves it"),
     Wrong("schedule_step", "shortest prompt first", lambda *a: schedule(*a, order=lambda r: (r.prompt_len, r.arrival)),
@@ -97,6 +97,6 @@ WRONG = [
           "chunked prefill"),
     Wrong("schedule_step", "ignores the token budget", no_budget, "more than the budget"),
     Wrong("schedule_step", "imports the grader's reference", lambda *a: reference_schedule_step(*a),
-          "labkit.grading.labs.lab10.reference_schedule_step",
+          "`reference_schedule_step`",
           calls="labkit.grading.labs.lab10.reference_schedule_step"),
 ]

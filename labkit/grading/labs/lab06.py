@@ -28,7 +28,7 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
 
 
 _FILTER_LOGITS = ("labkit.sampling.filter_logits", "labkit.sampling.filters.filter_logits")
-_SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.Sampler.filter", "labkit.sampling.sampler.gumbel_max")
+_SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.sampler.gumbel_max")
 
 
 @exercise("06", "temperature_probs", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_temperature",

@@ -7,11 +7,13 @@ import torch
 from labkit.attention.reference import online_softmax_attention
 from labkit.grading import ExerciseFailed, exercise, require
 
+_MANAGER = "labkit.cache.block_manager.BlockManager"
+
 
 @exercise("07", "SimpleBlockAllocator", forbidden=(
-    "labkit.cache.block_manager.BlockManager.allocate", "labkit.cache.block_manager.BlockManager.append",
-    "labkit.cache.block_manager.BlockManager.deallocate", "labkit.cache.block_manager.BlockManager.blocks_needed",
-    "labkit.cache.block_manager.BlockManager.can_allocate",
+    # BlockManager's allocate and append go through _take_free_block, deallocate through _release_table:
+    # common method names (append) would also trip the runtime's look at the source for `.append`
+    f"{_MANAGER}._take_free_block", f"{_MANAGER}._release_table", f"{_MANAGER}.can_allocate",
 ))
 def simple_block_allocator(ns):
     cls = require(ns, "SimpleBlockAllocator", type)
@@ -93,7 +95,7 @@ def _reference_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
 
 @exercise("07", "gather_kv_from_blocks", forbidden=(
     "labkit.attention.reference.gather_kv", "labkit.attention.reference.paged_attention",
-    "labkit.attention.reference.PagedAttentionPlan.run", "labkit.grading.labs.lab07._reference_gather",
+    "labkit.grading.labs.lab07._reference_gather",
 ))
 def gather_kv_from_blocks(ns):
     fn = require(ns, "gather_kv_from_blocks")

@@ -17,8 +17,8 @@ def _device():
 
 
 @exercise("08", "store_kvcache", forbidden=(
-    "labkit.cache.paged_storage.store_kv", "labkit.cache.paged_storage.PagedKVStorage.store",
-    "labkit.attention.triton_kernels.store_kvcache", "labkit.attention.triton_kernels._kernels",
+    "labkit.cache.paged_storage.store_kv", "labkit.attention.triton_kernels.store_kvcache",
+    "labkit.attention.triton_kernels._kernels",
 ))
 def store_kvcache(ns):
     fn = require(ns, "store_kvcache")
@@ -69,8 +69,8 @@ def _decode_inputs(g, dev):
 
 @exercise("08", "paged_decode", forbidden=(
     "labkit.attention.reference.paged_decode_attention", "labkit.attention.reference.paged_attention",
-    "labkit.attention.reference.gather_kv", "labkit.attention.reference.PagedAttentionPlan.run",
-    "labkit.attention.triton_kernels.paged_attention", "labkit.attention.triton_kernels._kernels",
+    "labkit.attention.reference.gather_kv", "labkit.attention.triton_kernels.paged_attention",
+    "labkit.attention.triton_kernels._kernels",
 ))
 def paged_decode(ns):
     fn = require(ns, "paged_decode")
