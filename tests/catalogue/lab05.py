@@ -5,7 +5,6 @@ import torch.nn.functional as F
 
 from catalogue import Right, Wrong
 from labkit.attention.dense import causal_attention
-from labkit.grading.labs import lab05
 from labkit.model.layers import apply_rotary, rope_cos_sin, rope_inv_freq
 
 # ---- rms_norm
@@ -35,8 +34,21 @@ def rms_in_place(x, w, eps):
 # ---- apply_rotary
 
 
+def rotary(x, positions, theta, *, interleaved=False, sign=1.0, exponent=2):
+    """Rotary embedding computed in float64, returned in float32; the keywords make the usual mistakes."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).double() * exponent / 2 / d)
+    angles = positions.double()[:, None] * inv_freq * sign
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x = x.double()
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, -1)
+    a, b = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.stack((a, b), -1).flatten(-2) if interleaved else torch.cat((a, b), -1)
+    return out.float()
+
+
 def rotary_half_split(x, positions, theta):
-    return lab05._rotary(x, positions, theta).to(x.dtype)
+    return rotary(x, positions, theta).to(x.dtype)
 
 
 def rotary_complex(x, positions, theta):
@@ -55,6 +67,17 @@ def rotary_labkit(x, positions, theta):
 # ---- attention_with_cache
 
 
+def attend(q, k, v, cached, *, scale=True, align_end=True, interleave=True):
+    """One step's attention, q [n, Hq, D] over k, v [S, Hkv, D]; the keywords make the usual mistakes."""
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    expand = (lambda t: t.repeat_interleave(group, 0)) if interleave else (lambda t: t.repeat(group, 1, 1))
+    scores = qh @ expand(kh).transpose(1, 2) / (d**0.5 if scale else 1.0)
+    allowed = torch.ones(n, k.shape[0], dtype=torch.bool).tril(diagonal=cached if align_end else 0)
+    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ expand(vh)).transpose(0, 1)
+
+
 def make_attention(*, scale=True, align_end=True, interleave=True, append=True, front=False):
     def attention_with_cache(q, k_new, v_new, cache):
         cached = cache["k"].shape[1]
@@ -66,8 +89,8 @@ def make_attention(*, scale=True, align_end=True, interleave=True, append=True, 
         k_all, v_all = torch.cat([cache["k"][:, :cached], k_t], 1), torch.cat([cache["v"][:, :cached], v_t], 1)
         if front:
             k_all, v_all = cache["k"], cache["v"]
-        return lab05._attend(q, k_all.transpose(0, 1), v_all.transpose(0, 1), cached, scale=scale,
-                             align_end=align_end, interleave=interleave)
+        return attend(q, k_all.transpose(0, 1), v_all.transpose(0, 1), cached, scale=scale,
+                      align_end=align_end, interleave=interleave)
 
     return attention_with_cache
 
@@ -154,18 +177,18 @@ WRONG = [
     Wrong("rms_norm", "calls torch's F.rms_norm", lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps),
           "`torch.nn.functional.rms_norm`", calls="torch.nn.functional.rms_norm"),
     Wrong("apply_rotary", "returned x unrotated", lambda x, p, theta: x, "unchanged"),
-    Wrong("apply_rotary", "rotated neighbouring pairs", lambda x, p, theta: lab05._rotary(
-        x, p, theta, interleaved=True).float(), "neighbouring pairs"),
-    Wrong("apply_rotary", "rotated the wrong way", lambda x, p, theta: lab05._rotary(x, p, theta, sign=-1.0).float(),
+    Wrong("apply_rotary", "rotated neighbouring pairs", lambda x, p, theta: rotary(
+        x, p, theta, interleaved=True), "neighbouring pairs"),
+    Wrong("apply_rotary", "rotated the wrong way", lambda x, p, theta: rotary(x, p, theta, sign=-1.0),
           "wrong way"),
-    Wrong("apply_rotary", "theta^(-i/d) frequencies", lambda x, p, theta: lab05._rotary(
-        x, p, theta, exponent=1).float(), "wrong frequencies"),
-    Wrong("apply_rotary", "hard-coded theta 10000", lambda x, p, theta: lab05._rotary(x, p, 10000.0).float(),
+    Wrong("apply_rotary", "theta^(-i/d) frequencies", lambda x, p, theta: rotary(
+        x, p, theta, exponent=1), "wrong frequencies"),
+    Wrong("apply_rotary", "hard-coded theta 10000", lambda x, p, theta: rotary(x, p, 10000.0),
           "theta was ignored"),
-    Wrong("apply_rotary", "positions counted from 1", lambda x, p, theta: lab05._rotary(x, p + 1, theta).float(),
+    Wrong("apply_rotary", "positions counted from 1", lambda x, p, theta: rotary(x, p + 1, theta),
           "off by one"),
-    Wrong("apply_rotary", "ignored positions (assumed 0..T-1)", lambda x, p, theta: lab05._rotary(
-        x, torch.arange(x.shape[0]), theta).float(), "positions argument was ignored"),
+    Wrong("apply_rotary", "ignored positions (assumed 0..T-1)", lambda x, p, theta: rotary(
+        x, torch.arange(x.shape[0]), theta), "positions argument was ignored"),
     Wrong("apply_rotary", "returned only the first half", lambda x, p, theta: x[:, :, :4], "should have shape"),
     Wrong("apply_rotary", "calls labkit's apply_rotary", rotary_labkit, "`apply_rotary`",
           calls="labkit.model.layers.apply_rotary"),

@@ -8,7 +8,7 @@ from catalogue import Right, Wrong
 from labkit.attention.reference import gather_kv, online_softmax_attention
 from labkit.cache.block_manager import BlockManager
 from labkit.cache.sequence_blocks import BlockSequence
-from labkit.grading.labs.lab07 import _reference_gather, _reference_savings
+from labkit.grading.labs.lab07 import _reference_savings
 
 # ---- SimpleBlockAllocator
 
@@ -127,20 +127,19 @@ class ManagerAllocator:
 
 
 def savings(num_sequences, avg_length, max_length, block_size, memory_per_token, **mistake):
-    r = _reference_savings(num_sequences, avg_length, max_length, block_size, memory_per_token)
-    if mistake.get("unrounded"):
-        r["paged_memory"] = num_sequences * avg_length * memory_per_token
-    if mistake.get("relative_to_paged"):
-        r["savings_percent"] = 100 * r["savings_bytes"] / r["paged_memory"]
-    if mistake.get("fraction"):
-        r["savings_percent"] /= 100
-    if mistake.get("sign"):
-        r["savings_bytes"] = -r["savings_bytes"]
-    if mistake.get("swapped"):
-        r["utilization_paged"] = 1 / r["utilization_paged"]
+    traditional = num_sequences * max_length * memory_per_token
     if mistake.get("avg_for_traditional"):
-        r["traditional_memory"] = num_sequences * avg_length * memory_per_token
-    return r
+        traditional = num_sequences * avg_length * memory_per_token
+    paged = num_sequences * math.ceil(avg_length / block_size) * block_size * memory_per_token
+    if mistake.get("unrounded"):
+        paged = num_sequences * avg_length * memory_per_token
+    used = num_sequences * avg_length * memory_per_token
+    percent = 100 * (traditional - paged) / (paged if mistake.get("relative_to_paged") else traditional)
+    return {"traditional_memory": traditional, "paged_memory": paged,
+            "savings_bytes": (paged - traditional) if mistake.get("sign") else traditional - paged,
+            "savings_percent": percent / 100 if mistake.get("fraction") else percent,
+            "utilization_traditional": used / traditional,
+            "utilization_paged": paged / used if mistake.get("swapped") else used / paged}
 
 
 def savings_per_sequence(num_sequences, avg_length, max_length, block_size, memory_per_token):
@@ -157,9 +156,9 @@ def savings_per_sequence(num_sequences, avg_length, max_length, block_size, memo
 
 def gather(kv, table, lens, layer, kv_idx, mode="ok"):
     if mode == "all_layers":
-        return torch.stack([_reference_gather(kv, table, lens, i, kv_idx) for i in range(kv.shape[1])], 1)
+        return torch.stack([gather_token_by_token(kv, table, lens, i, kv_idx) for i in range(kv.shape[1])], 1)
     if mode == "keys":
-        return _reference_gather(kv, table, lens, layer, 0)
+        return gather_token_by_token(kv, table, lens, layer, 0)
     if mode == "contiguous":
         table = torch.arange(table.numel()).view_as(table)
     out = kv[table.clamp(min=0), layer, kv_idx].flatten(1, 2)
