@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from catalogue import Right, Wrong
 from labkit.attention.dense import causal_attention
-from labkit.model.layers import apply_rotary, rope_cos_sin, rope_inv_freq
+from labkit.model.layers import apply_rotary
 
 # ---- rms_norm
 
@@ -61,7 +61,10 @@ def rotary_complex(x, positions, theta):
 
 
 def rotary_labkit(x, positions, theta):
-    return apply_rotary(x, *rope_cos_sin(positions, rope_inv_freq(x.shape[-1], theta), x.dtype))
+    """Angles by hand, the rotation itself by labkit."""
+    d = x.shape[-1]
+    angles = positions.float()[:, None] / theta ** (torch.arange(0, d, 2).float() / d)
+    return apply_rotary(x, angles.cos(), angles.sin())
 
 
 # ---- attention_with_cache
