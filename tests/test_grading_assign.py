@@ -73,3 +73,62 @@ def test_generate_writes_then_reports_drift_and_stale_files(tmp_path):
     assert generate(solutions, notebooks, check_only=True) == [notebooks / "01_a.ipynb", notebooks / "99_stale.ipynb"]
     generate(solutions, notebooks)
     assert sorted(p.name for p in notebooks.iterdir()) == ["01_a.ipynb"]
+
+
+def _outputs(nb):
+    return [len(cell.outputs) for cell in nb.cells]
+
+
+def test_cells_that_run_student_code_lose_outputs_transitively():
+    nb = _notebook(
+        "import torch",                                     # 0 course code: keeps its output
+        "def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n\nprint(f(1))",  # 1 the exercise
+        "y = f(2)\nprint(y)",                               # 2 calls the student's f
+        "z = [y] * 2\nprint(z)",                            # 3 uses what 2 computed from f
+        "def g():\n    return f(3)",                        # 4 a helper that will call f
+        "print(g())",                                       # 5 ... and a call of it
+        "class Backend:\n    def __call__(self, q):\n        return f(q)\n\nmodel = Backend()",  # 6
+        "print(model(4))",                                  # 7 runs f through an object
+        "y = 5\nprint(y)",                                  # 8 rebinds y with course code
+        "print(y, torch.ones(1))",                          # 9 reads the rebound y: keeps its output
+        "%time w = f(6)",                                   # 10 a magic that runs f
+        "for i in range(2):\n    print(i)",                 # 11 a loop variable reads nothing earlier
+    )
+    assert _outputs(student_notebook(nb, "05_x.ipynb")) == [1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]
+
+
+def test_mutating_an_object_with_student_code_taints_it():
+    nb = _notebook(
+        "### BEGIN SOLUTION\ndef norm(x):\n    return x\n### END SOLUTION",
+        "layers = {}\nprint(layers)",
+        "layers['norm'] = norm",
+        "print(layers['norm'](1))",
+        "import math\nprint(math.pi)",
+    )
+    assert _outputs(student_notebook(nb, "05_x.ipynb")) == [0, 1, 0, 0, 1]
+
+
+def test_nbval_markers_are_dropped_and_their_cells_keep_outputs():
+    nb = _notebook("# NBVAL_IGNORE_OUTPUT\nprint('timing')", "x = 1  # NBVAL_SKIP stays: not a marker line\n"
+                   "  # NBVAL_SKIP\nprint(x)")
+    student = student_notebook(nb, "02_x.ipynb")
+    assert [c.source for c in student.cells] == ["print('timing')", "x = 1  # NBVAL_SKIP stays: not a marker line\n"
+                                                                   "print(x)"]
+    assert _outputs(student) == [1, 1]
+    assert "NBVAL_IGNORE_OUTPUT" in nb.cells[0].source, "the solution keeps its markers"
+
+
+def test_generated_lab05_shows_nothing_the_student_has_not_computed():
+    from pathlib import Path
+
+    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+    nb = nbformat.read(notebooks / "05_real_model_kv_cache.ipynb", as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    students = ("rms_norm(", "apply_rotary(", "attention_with_cache(", "YourKVCache(", "check(")
+    calling = [cell for cell in code if any(name in cell.source for name in students)]
+    assert len(calling) >= 7
+    assert all(not cell.outputs for cell in calling), [cell.source[:60] for cell in calling if cell.outputs]
+    assert not any("same tokens as labkit's" in str(cell.outputs) for cell in code)
+    assert any(cell.outputs for cell in code), "course cells keep their outputs"
+    for path in notebooks.glob("*.ipynb"):
+        assert "NBVAL_" not in path.read_text(encoding="utf-8"), path.name

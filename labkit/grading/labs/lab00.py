@@ -20,14 +20,36 @@ class _NoBuiltinSoftmax:
         torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax = self.saved
 
 
-@exercise("00", "softmax")
+FORBIDDEN = (
+    "torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax", "torch.special.softmax",
+    "torch.nn.Softmax", "torch.log_softmax", "torch.Tensor.log_softmax", "torch.nn.functional.log_softmax",
+    "torch.special.log_softmax", "torch.nn.LogSoftmax",
+)
+
+
+def _spread(logits: torch.Tensor) -> torch.Tensor:
+    """Large logits whose rows sit far apart (exp overflows float64 beyond about 709)."""
+    return logits * 1000 + torch.tensor([[0.0], [3000.0], [-3000.0]], dtype=logits.dtype)
+
+
+def _rowwise(e: torch.Tensor) -> torch.Tensor:
+    return e / e.sum(-1, keepdim=True)
+
+
+@exercise("00", "softmax", forbidden=FORBIDDEN)
 def softmax(ns):
     fn = require(ns, "softmax")
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, generator=generator, dtype=torch.float64)
+    square = torch.randn(4, 4, generator=generator, dtype=torch.float64)
+    with _NoBuiltinSoftmax():
+        got_square = fn(square.clone())
+    if isinstance(got_square, torch.Tensor) and torch.allclose(got_square, square.exp() / square.exp().sum(-1)):
+        raise ExerciseFailed("each row was divided by the wrong row's sum: keep the summed dimension "
+                             "(sum(-1, keepdim=True)) so it broadcasts along rows")
     with _NoBuiltinSoftmax():
         got = fn(logits.clone())
-        large = fn(logits.clone() * 1000)
+        large = fn(_spread(logits))
     if not isinstance(got, torch.Tensor) or got.shape != logits.shape:
         raise ExerciseFailed(f"expected a tensor of shape {tuple(logits.shape)}, got "
                              f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
@@ -35,10 +57,18 @@ def softmax(ns):
         got.sum(-1), torch.ones(3, dtype=got.dtype)
     ):
         raise ExerciseFailed("normalized over the wrong axis: each row (the last dimension) must sum to 1")
-    if not torch.allclose(got, torch.softmax(logits, -1), atol=1e-6):
+    if torch.allclose(got, logits - logits.logsumexp(-1, keepdim=True), atol=1e-6):
+        raise ExerciseFailed("that is log-softmax (log-probabilities): exponentiate, so each row sums to 1")
+    if not torch.allclose(got, _rowwise(logits.exp()), atol=1e-6):
         raise ExerciseFailed("the values are not exp(x) / sum(exp(x)) along the last dimension")
+    if isinstance(large, torch.Tensor) and large.shape == logits.shape and torch.allclose(
+        large, _rowwise((_spread(logits) - _spread(logits).max()).exp()), equal_nan=True
+    ):
+        raise ExerciseFailed("subtracted the largest value of the whole tensor: subtract each row's own max "
+                             "(max(-1, keepdim=True)), or rows far below it underflow to 0/0")
     if not torch.isfinite(large).all():
         raise ExerciseFailed("exp overflowed on large logits: subtract each row's max before exponentiating")
-    if not torch.allclose(large, torch.softmax(logits * 1000, -1), atol=1e-6):
+    expected = _rowwise((_spread(logits) - _spread(logits).amax(-1, keepdim=True)).exp())
+    if not torch.allclose(large, expected, atol=1e-6):
         raise ExerciseFailed("large logits give wrong values: subtract each row's max before exponentiating")
     return "rows sum to 1, and large logits don't overflow"

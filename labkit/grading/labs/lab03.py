@@ -21,25 +21,29 @@ def _close(a, b):
     return torch.allclose(a.to(torch.float64), b.to(torch.float64), atol=atol)
 
 
-@exercise("03", "build_x")
+@exercise("03", "build_x", forbidden=("labkit.worked_example.build_x",))
 def build_x(ns):
     fn = require(ns, "build_x")
     embeddings, positional = _random(7, 3, seed=30), _random(8, 3, seed=31)
-    token_ids = [4, 1, 6, 4]
-    got = expect_tensor(fn(embeddings, positional, token_ids), (4, 3), "X for 4 tokens of d_model 3")
-    ids = torch.tensor(token_ids)
-    if _close(got, embeddings[ids]):
-        raise ExerciseFailed("the positional encodings were not added: X[i] = E[token_i] + PE[i]")
-    if _close(got, embeddings[ids] + positional[ids]):
-        raise ExerciseFailed("PE was indexed by token id; it is indexed by position: X[i] = E[token_i] + PE[i]")
-    if _close(got, embeddings[ids] + positional[1:5]):
-        raise ExerciseFailed("PE of the wrong position: the first token is at position 0, so it gets PE[0]")
-    if not _close(got, ref.build_x(embeddings, positional, token_ids)):
-        raise ExerciseFailed("X differs from E[token_ids] + PE[0:len(token_ids)] on fresh inputs")
+    for token_ids in ([4, 1, 6, 4], [5, 0, 2, 2, 3, 1]):
+        n = len(token_ids)
+        got = expect_tensor(fn(embeddings, positional, list(token_ids)), (n, 3), f"X for {n} tokens of d_model 3")
+        ids = torch.tensor(token_ids)
+        if _close(got, embeddings[ids]):
+            raise ExerciseFailed("the positional encodings were not added: X[i] = E[token_i] + PE[i]")
+        if _close(got, embeddings[ids] + positional[ids]):
+            raise ExerciseFailed("PE was indexed by token id; it is indexed by position: X[i] = E[token_i] + PE[i]")
+        if _close(got, embeddings[ids] + positional[1:n + 1]):
+            raise ExerciseFailed("PE of the wrong position: the first token is at position 0, so it gets PE[0]")
+        if _close(got, embeddings[ids] * positional[:n]):
+            raise ExerciseFailed("E and PE were multiplied: the positional encoding is added, "
+                                 "X[i] = E[token_i] + PE[i]")
+        if not _close(got, ref.build_x(embeddings, positional, token_ids)):
+            raise ExerciseFailed(f"X differs from E[token_ids] + PE[0:len(token_ids)] for {n} fresh tokens")
     return "X[i] = E[token_i] + PE[i]"
 
 
-@exercise("03", "scaled_scores")
+@exercise("03", "scaled_scores", forbidden=("labkit.worked_example.scaled_scores",))
 def scaled_scores(ns):
     fn = require(ns, "scaled_scores")
     for n_q, n_k, d_k, seed in ((3, 5, 4, 32), (2, 2, 2, 33)):
@@ -50,6 +54,9 @@ def scaled_scores(ns):
             raise ExerciseFailed("scores were not divided by sqrt(d_k)")
         if _close(got, raw / d_k):
             raise ExerciseFailed("scores were divided by d_k; divide by sqrt(d_k)")
+        if _close(got, (raw / math.sqrt(d_k)).softmax(-1)):
+            raise ExerciseFailed("the softmax was applied: scaled_scores returns the raw scaled scores (the "
+                                 "softmax comes in the next step, after the mask)")
         if _close(got, raw / math.sqrt(2)) and d_k != 2:
             raise ExerciseFailed("sqrt(2) is hard-coded: take d_k from the keys' last dimension")
         if not _close(got, ref.scaled_scores(q, k)):
@@ -57,7 +64,8 @@ def scaled_scores(ns):
     return "Q K^T / sqrt(d_k), for any number of queries, keys and d_k"
 
 
-@exercise("03", "causal_softmax")
+@exercise("03", "causal_softmax", forbidden=("labkit.worked_example.causal_softmax",
+                                              "labkit.worked_example.attend"))
 def causal_softmax(ns):
     fn = require(ns, "causal_softmax")
     scores = _random(4, 4, seed=34)

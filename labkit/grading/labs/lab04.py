@@ -8,7 +8,7 @@ from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
 from labkit.grading.labs.lab03 import _close, _random
 
 
-@exercise("04", "embed_token")
+@exercise("04", "embed_token", forbidden=("labkit.worked_example.build_x",))
 def embed_token(ns):
     fn = require(ns, "embed_token")
     embeddings, positional = _random(6, 3, seed=40), _random(8, 3, seed=41)
@@ -33,7 +33,7 @@ def embed_token(ns):
     return "X[t] = E[token] + PE[t], one 1 x d_model row"
 
 
-@exercise("04", "append_and_attend")
+@exercise("04", "append_and_attend", forbidden=("labkit.worked_example.attend",))
 def append_and_attend(ns):
     fn = require(ns, "append_and_attend")
     cached, d_k = 4, 3

@@ -20,14 +20,19 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-@exercise("05", "rms_norm")
+@exercise("05", "rms_norm", forbidden=("labkit.model.layers.RMSNorm.forward", "torch.nn.functional.rms_norm",
+                                         "torch.nn.RMSNorm.forward", "labkit.grading.labs.lab05._rms"))
 def rms_norm(ns):
     fn = require(ns, "rms_norm")
     g = torch.Generator().manual_seed(50)
     x, w = torch.randn(5, 16, generator=g), torch.rand(16, generator=g) + 0.5
     x[0] = 0.0  # an all-zero row: only eps keeps it finite
     eps = 0.1  # large, so where eps goes shows
-    got = expect_tensor(fn(x.clone(), w.clone(), eps), x.shape, "the normalised x")
+    given = x.clone()
+    got = expect_tensor(fn(given, w.clone(), eps), x.shape, "the normalised x")
+    if not torch.equal(given, x):
+        raise ExerciseFailed("rms_norm changed its input x in place: the residual stream still needs it, "
+                             "return a new tensor")
     if not torch.isfinite(got).all():
         raise ExerciseFailed("an all-zero row gave NaN/inf: add eps inside the square root")
     if _close(got, _rms(x, 1.0, eps)):
@@ -38,12 +43,22 @@ def rms_norm(ns):
         raise ExerciseFailed("divided by the root of the *sum* of squares: RMS is the root of their mean")
     if _close(got, x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * w):
         raise ExerciseFailed("eps was added after the square root: it goes inside, sqrt(mean(x^2) + eps)")
+    if _close(got, x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + eps) * w):
+        raise ExerciseFailed("the mean was taken over the wrong axis: normalise each token's vector "
+                             "(the last dimension, keepdim=True)")
     if not _close(got, _rms(x, w, eps)):
         raise ExerciseFailed("the values differ from x / sqrt(mean(x^2) + eps) * weight (last dimension)")
-    half = fn(x.half(), w.half(), eps)
+    # fp16 activations of a real model reach hundreds: x^2 overflows fp16 (max 65504) from |x| > 256
+    big = (torch.randn(4, 16, generator=g) * 200).clamp(-400, 400)
+    big[:, 0] = 400.0
+    half = fn(big.half(), w.half(), 1e-5)
     if not isinstance(half, torch.Tensor) or half.dtype != torch.half:
         raise ExerciseFailed("for fp16 input return fp16 (compute in fp32 if you like, then cast back)")
-    return "x / sqrt(mean(x^2) + eps) * weight, finite on a zero row"
+    expected = _rms(big.half().float(), w.half().float(), 1e-5)
+    if not _close(half.float(), expected, atol=2e-2):
+        raise ExerciseFailed("wrong for fp16 activations around ±400: x^2 overflows fp16 (largest 65504), so "
+                             "compute in float32 (x.float()) and cast the result back to x's dtype")
+    return "x / sqrt(mean(x^2) + eps) * weight, finite on a zero row, safe for large fp16 activations"
 
 
 # ---- rotary embedding ------------------------------------------------------------------------------------
@@ -59,7 +74,8 @@ def _rotary(x, positions, theta, *, interleaved=False, sign=1.0, exponent=2):
     return torch.stack((a, b), -1).flatten(-2) if interleaved else torch.cat((a, b), -1)
 
 
-@exercise("05", "apply_rotary")
+@exercise("05", "apply_rotary", forbidden=("labkit.model.layers.apply_rotary", "labkit.model.layers.rope_cos_sin",
+                                             "labkit.model.layers.rope_inv_freq", "labkit.grading.labs.lab05._rotary"))
 def apply_rotary(ns):
     fn = require(ns, "apply_rotary")
     g = torch.Generator().manual_seed(51)
@@ -79,12 +95,16 @@ def apply_rotary(ns):
                                  "the second x2*cos + x1*sin")
         if _close(got, _rotary(x, positions, theta, exponent=1)):
             raise ExerciseFailed("wrong frequencies: they are theta^(-2i/head_dim) for i = 0 .. head_dim/2 - 1")
+        if _close(got, _rotary(x, positions + 1, theta)) or _close(got, _rotary(x, positions - 1, theta)):
+            raise ExerciseFailed("positions are off by one: the first token is at position 0 and is left "
+                                 "unrotated (angle 0)")
+        if _close(got, _rotary(x, torch.arange(len(positions)), theta)):
+            raise ExerciseFailed("the positions argument was ignored (0, 1, 2, ... assumed): rotate each token by "
+                                 "its own position, e.g. 500 after a long prompt")
         if theta != 10000.0 and _close(got, _rotary(x, positions, 10000.0)):
             raise ExerciseFailed("theta was ignored (10000 is only the default): SmolLM2 uses 100000")
         if not _close(got, expected, atol=1e-4):
             raise ExerciseFailed(f"the rotation differs from labkit's for theta={theta:g}")
-        if not _close(got[0], x[0]):
-            raise ExerciseFailed("position 0 must be left unrotated (angle 0)")
     return "half-split pairs rotated by position * theta^(-2i/d), any theta"
 
 
@@ -105,7 +125,11 @@ def _attend(q, k, v, cached, *, scale=True, align_end=True, interleave=True):
     return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vh).transpose(0, 1)
 
 
-@exercise("05", "attention_with_cache")
+@exercise("05", "attention_with_cache", forbidden=(
+    "labkit.attention.dense.causal_attention", "labkit.attention.dense.dense_attention",
+    "labkit.attention.reference.naive_attention", "labkit.cache.KVCache.__call__",
+    "labkit.grading.labs.lab05._attend",
+))
 def attention_with_cache(ns):
     fn = require(ns, "attention_with_cache")
     g = torch.Generator().manual_seed(52)

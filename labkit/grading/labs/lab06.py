@@ -27,7 +27,12 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits)
 
 
-@exercise("06", "temperature_probs")
+_FILTER_LOGITS = ("labkit.sampling.filter_logits", "labkit.sampling.filters.filter_logits")
+_SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.sampler.gumbel_max")
+
+
+@exercise("06", "temperature_probs", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_temperature",
+                                                "labkit.sampling.filters.keep_argmax"))
 def temperature_probs(ns):
     fn = require(ns, "temperature_probs")
     logits = _logits(1)
@@ -39,12 +44,21 @@ def temperature_probs(ns):
                                  "(a low temperature must sharpen the distribution)")
         if torch.allclose(got, logits.softmax(-1), atol=1e-6) and temperature != 1.0:
             raise ExerciseFailed("the temperature has no effect: divide the logits by it before the softmax")
+        if temperature != 1.0 and torch.allclose(got, logits.softmax(-1) / temperature, atol=1e-6):
+            raise ExerciseFailed("the probabilities were divided by the temperature: divide the logits, "
+                                 "then take the softmax")
         if not torch.allclose(got.sum(-1), torch.ones(len(logits)), atol=1e-5):
             raise ExerciseFailed("each row must be a probability distribution (sum to 1 over the last dimension)")
         if not torch.allclose(got, expected, atol=1e-6):
             raise ExerciseFailed(f"at temperature {temperature} the probabilities differ from "
                                  "softmax(logits / temperature)")
-    greedy = _call_without_mutation(fn, logits, 0.0)
+    try:
+        greedy = _call_without_mutation(fn, logits, 0.0)
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        raise ExerciseFailed(f"temperature 0 raised {type(error).__name__} (dividing by 0): treat it as greedy, "
+                             "all the probability on the argmax") from None
     if torch.isnan(greedy).any():
         raise ExerciseFailed("temperature 0 gives NaN (0/0 after dividing by 0): treat it as greedy, "
                              "all the probability on the argmax")
@@ -53,7 +67,7 @@ def temperature_probs(ns):
     return "softmax(logits / T), and T = 0 is greedy"
 
 
-@exercise("06", "top_k_filter")
+@exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k"))
 def top_k_filter(ns):
     fn = require(ns, "top_k_filter")
     logits = _logits(2)
@@ -62,6 +76,9 @@ def top_k_filter(ns):
         expected = filter_logits(logits, top_k=k)
         if (got == 0).any() and not (expected == 0).any():
             raise ExerciseFailed("removed tokens were set to 0, which is still a likely logit: set them to -inf")
+        smallest = logits.masked_fill(~_kept(filter_logits(-logits, top_k=k)), float("-inf"))
+        if k < logits.shape[-1] and torch.equal(got, smallest):
+            raise ExerciseFailed(f"top_k={k} kept the k smallest logits: keep the k largest (topk's default)")
         kept = _kept(got).sum(-1)
         if (kept == k - 1).all() or (kept == k + 1).all():
             raise ExerciseFailed(f"top_k={k} kept {int(kept[0])} tokens per row: an off-by-one at the k-th largest")
@@ -75,7 +92,7 @@ def top_k_filter(ns):
     return "keeps each row's k largest logits (ties included), the rest -inf"
 
 
-@exercise("06", "top_p_filter")
+@exercise("06", "top_p_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_p"))
 def top_p_filter(ns):
     fn = require(ns, "top_p_filter")
     logits = _logits(3)
@@ -97,20 +114,32 @@ def top_p_filter(ns):
     return "keeps the smallest most-likely set reaching top_p"
 
 
-@exercise("06", "sample_next")
+@exercise("06", "sample_next", forbidden=(*_FILTER_LOGITS, *_SAMPLER, "labkit.sampling.filters.apply_temperature",
+                                          "labkit.sampling.filters.keep_argmax"))
 def sample_next(ns):
     fn = require(ns, "sample_next")
     logits = torch.tensor([1.5, 0.2, 1.0, -0.5, 0.8])
-    first = fn(logits.clone(), 1.0, torch.Generator().manual_seed(0))
+    given = logits.clone()
+    first = fn(given, 0.7, torch.Generator().manual_seed(0))
     if not isinstance(first, int) or isinstance(first, bool):
         raise ExerciseFailed(f"return the token id as a Python int (use .item()), got {type(first).__name__}")
-    greedy = {fn(logits.clone(), 0.0, torch.Generator().manual_seed(seed)) for seed in range(20)}
+    if not torch.equal(given, logits):
+        raise ExerciseFailed("sample_next changed its input logits in place: work on a copy")
+    try:
+        greedy = {fn(logits.clone(), 0.0, torch.Generator().manual_seed(seed)) for seed in range(20)}
+    except Exception as error:
+        raise ExerciseFailed(f"temperature 0 raised {type(error).__name__} (dividing by 0): at temperature 0 "
+                             "return the argmax without sampling") from None
     if greedy != {int(logits.argmax())}:
         raise ExerciseFailed(f"temperature 0 must always return the argmax ({int(logits.argmax())}), got {greedy}")
     draws = [fn(logits.clone(), 1.0, torch.Generator().manual_seed(seed)) for seed in range(3000)]
     if len(set(draws)) == 1:
         raise ExerciseFailed("at temperature 1 every draw is the same token: sample (torch.multinomial) "
                              "instead of taking the argmax")
+    again = [fn(logits.clone(), 1.0, torch.Generator().manual_seed(seed)) for seed in range(60)]
+    if again != draws[:60]:
+        raise ExerciseFailed("the same seeded generator gave different tokens: the generator was ignored. "
+                             "Pass generator=generator to torch.multinomial, so a seeded request reproduces")
     counts = torch.bincount(torch.tensor(draws), minlength=len(logits)).double()
     expected = logits.softmax(-1).double() * len(draws)
     statistic = float(((counts - expected) ** 2 / expected).sum())
@@ -121,4 +150,4 @@ def sample_next(ns):
     if abs(cold.count(0) / 300 - float((logits / 0.3).softmax(-1)[0])) > 0.1:
         raise ExerciseFailed("at temperature 0.3 the draws should concentrate on the argmax: divide the "
                              "logits by the temperature before the softmax")
-    return "greedy at temperature 0, and draws that follow softmax(logits / T)"
+    return "greedy at temperature 0, seeded draws that follow softmax(logits / T)"

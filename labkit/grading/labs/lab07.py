@@ -7,8 +7,14 @@ import torch
 from labkit.attention.reference import online_softmax_attention
 from labkit.grading import ExerciseFailed, exercise, require
 
+_MANAGER = "labkit.cache.block_manager.BlockManager"
 
-@exercise("07", "SimpleBlockAllocator")
+
+@exercise("07", "SimpleBlockAllocator", forbidden=(
+    # BlockManager's allocate and append go through _take_free_block, deallocate through _release_table:
+    # common method names (append) would also trip the runtime's look at the source for `.append`
+    f"{_MANAGER}._take_free_block", f"{_MANAGER}._release_table", f"{_MANAGER}.can_allocate",
+))
 def simple_block_allocator(ns):
     cls = require(ns, "SimpleBlockAllocator", type)
     alloc = cls(total_blocks=10, block_size=16)
@@ -25,10 +31,15 @@ def simple_block_allocator(ns):
         raise ExerciseFailed(f"going from 60 to 80 tokens needs exactly one new block, got {new!r}")
     if new[0] in table:
         raise ExerciseFailed("append handed out a block the sequence already holds")
-    other = alloc.allocate_sequence(seq_id=2, length=16)
+    other = alloc.allocate_sequence(seq_id=2, length=10)
     if len(other) != 1 or set(other) & set(table + new):
         raise ExerciseFailed(f"a second sequence must get blocks nobody holds, got {other}")
     util = alloc.get_utilization()
+    if isinstance(util, float | int) and math.isclose(util, 60):
+        raise ExerciseFailed("utilization is a fraction of the blocks (0.6), not a percentage")
+    if isinstance(util, float | int) and math.isclose(util, 90 / 160):
+        raise ExerciseFailed("utilization counted tokens (90 of 160 slots): it is allocated blocks / total "
+                             "blocks, 6 of 10 = 0.6")
     if not isinstance(util, float | int) or not math.isclose(util, 0.6):
         raise ExerciseFailed(f"6 of 10 blocks are allocated, so utilization is 0.6, got {util!r}")
     freed = alloc.free_sequence(seq_id=1)
@@ -51,23 +62,24 @@ def _reference_savings(num_sequences, avg_length, max_length, block_size, memory
             "utilization_traditional": used / traditional, "utilization_paged": used / paged}
 
 
-@exercise("07", "calculate_memory_savings")
+@exercise("07", "calculate_memory_savings", forbidden=("labkit.grading.labs.lab07._reference_savings",))
 def calculate_memory_savings(ns):
     fn = require(ns, "calculate_memory_savings")
-    args = dict(num_sequences=30, avg_length=1000, max_length=2048, block_size=16, memory_per_token=512)
-    got = fn(**args)
-    want = _reference_savings(**args)
-    if not isinstance(got, dict) or set(want) - set(got):
-        raise ExerciseFailed(f"return a dict with keys {sorted(want)}")
-    if math.isclose(got["paged_memory"], 30 * 1000 * 512):
-        raise ExerciseFailed("paged memory counts only the tokens: round each sequence up to whole blocks")
-    if math.isclose(got["savings_percent"], 100 * (want["savings_bytes"] / want["paged_memory"])):
-        raise ExerciseFailed("savings_percent is relative to the paged memory; express it as a share of the "
-                             "traditional memory")
-    for key, value in want.items():
-        if not math.isclose(float(got[key]), value, rel_tol=1e-9):
-            scale = " (percent means 0..100)" if key == "savings_percent" else ""
-            raise ExerciseFailed(f"{key} should be {value:.6g}, got {got[key]!r}{scale}")
+    for args in (dict(num_sequences=30, avg_length=1000, max_length=2048, block_size=16, memory_per_token=512),
+                 dict(num_sequences=7, avg_length=333, max_length=1024, block_size=32, memory_per_token=96)):
+        got = fn(**args)
+        want = _reference_savings(**args)
+        if not isinstance(got, dict) or set(want) - set(got):
+            raise ExerciseFailed(f"return a dict with keys {sorted(want)}")
+        if math.isclose(got["paged_memory"], args["num_sequences"] * args["avg_length"] * args["memory_per_token"]):
+            raise ExerciseFailed("paged memory counts only the tokens: round each sequence up to whole blocks")
+        if math.isclose(got["savings_percent"], 100 * (want["savings_bytes"] / want["paged_memory"])):
+            raise ExerciseFailed("savings_percent is relative to the paged memory; express it as a share of the "
+                                 "traditional memory")
+        for key, value in want.items():
+            if not math.isclose(float(got[key]), value, rel_tol=1e-9):
+                scale = " (percent means 0..100)" if key == "savings_percent" else ""
+                raise ExerciseFailed(f"{key} should be {value:.6g} for {args}, got {got[key]!r}{scale}")
     return "traditional reserves max_length per sequence; paged rounds each up to whole blocks"
 
 
@@ -81,7 +93,10 @@ def _reference_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
     return out
 
 
-@exercise("07", "gather_kv_from_blocks")
+@exercise("07", "gather_kv_from_blocks", forbidden=(
+    "labkit.attention.reference.gather_kv", "labkit.attention.reference.paged_attention",
+    "labkit.grading.labs.lab07._reference_gather",
+))
 def gather_kv_from_blocks(ns):
     fn = require(ns, "gather_kv_from_blocks")
     g = torch.Generator().manual_seed(7)
@@ -110,7 +125,13 @@ def gather_kv_from_blocks(ns):
     return "each sequence's tokens in order, zero-padded to the longest"
 
 
-@exercise("07", "online_softmax_attention")
+def _softmax_attention(query, keys, values, scale):
+    weights = torch.softmax(torch.einsum("hd,bhd->hb", query, keys) * scale, -1)
+    return torch.einsum("hb,bhd->hd", weights, values)
+
+
+@exercise("07", "online_softmax_attention", forbidden=("labkit.attention.reference.online_softmax_attention",
+                                                      "labkit.grading.labs.lab07._softmax_attention"))
 def online_softmax(ns):
     fn = require(ns, "online_softmax_attention")
     g = torch.Generator().manual_seed(3)
@@ -127,6 +148,13 @@ def online_softmax(ns):
     )
     if torch.allclose(got, per_block, atol=1e-6):
         raise ExerciseFailed("each block got its own softmax: the weights must be normalized over all keys")
+    keys, values = torch.cat(key_blocks), torch.cat(value_blocks)
+    if torch.allclose(got, _softmax_attention(query, keys, values, 1.0), atol=1e-6):
+        raise ExerciseFailed("scores were not divided by sqrt(head_dim)")
+    if not torch.allclose(got, want, atol=1e-6) and torch.allclose(got / got.norm(dim=-1, keepdim=True),
+                                                                   want / want.norm(dim=-1, keepdim=True), atol=1e-6):
+        raise ExerciseFailed("each head's output is off by a factor: divide the accumulator by the running sum "
+                             "l at the end (and rescale both by exp(m_old - m_new) as the max grows)")
     if not torch.allclose(got, want, atol=1e-6):
         raise ExerciseFailed(f"differs from softmax attention over all keys (max abs diff "
                              f"{(got - want).abs().max():.2e}); rescale l and acc by exp(m_old - m_new)")

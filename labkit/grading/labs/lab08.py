@@ -16,7 +16,10 @@ def _device():
     return pick_device()
 
 
-@exercise("08", "store_kvcache")
+@exercise("08", "store_kvcache", forbidden=(
+    "labkit.cache.paged_storage.store_kv", "labkit.attention.triton_kernels.store_kvcache",
+    "labkit.attention.triton_kernels._kernels",
+))
 def store_kvcache(ns):
     fn = require(ns, "store_kvcache")
     g = torch.Generator().manual_seed(8)
@@ -36,6 +39,11 @@ def store_kvcache(ns):
         raise ExerciseFailed("the cache did not change: the kernel stored nothing")
     if k_buf[:8 * row].any() or v_buf[:8 * row].any():
         raise ExerciseFailed("a token with slot -1 was stored (just before the cache, out of bounds): mask it out")
+    stored = slots >= 0
+    k_rows, v_rows = k_cache.reshape(-1, row)[slots[stored]], v_cache.reshape(-1, row)[slots[stored]]
+    if torch.equal(k_rows, v[stored].flatten(1)) and torch.equal(v_rows, k[stored].flatten(1)):
+        raise ExerciseFailed("K went into the V cache and V into the K cache: keep the argument order "
+                             "(k, v, k_cache, v_cache, slot_mapping)")
     if torch.equal(k_cache, want_k) and not torch.equal(v_cache, want_v):
         raise ExerciseFailed("K is right but V is not: store both")
     if not torch.equal(k_cache, want_k) or not torch.equal(v_cache, want_v):
@@ -59,7 +67,11 @@ def _decode_inputs(g, dev):
     return [x.to(dev) for x in (q, k_cache, v_cache, block_tables, context_lens)]
 
 
-@exercise("08", "paged_decode")
+@exercise("08", "paged_decode", forbidden=(
+    "labkit.attention.reference.paged_decode_attention", "labkit.attention.reference.paged_attention",
+    "labkit.attention.reference.gather_kv", "labkit.attention.triton_kernels.paged_attention",
+    "labkit.attention.triton_kernels._kernels",
+))
 def paged_decode(ns):
     fn = require(ns, "paged_decode")
     g = torch.Generator().manual_seed(80)
@@ -78,6 +90,14 @@ def paged_decode(ns):
     if torch.allclose(got, paged_decode_attention(q, k_mod, v_mod, block_tables, context_lens), atol=1e-4):
         raise ExerciseFailed("query head h read KV head h % num_kv_heads: with GQA it is h // (num_heads // "
                              "num_kv_heads)")
+    if torch.allclose(got, paged_decode_attention(q * q.shape[-1] ** 0.5, k_cache, v_cache, block_tables,
+                                                  context_lens), atol=1e-4):
+        raise ExerciseFailed("scores were not scaled: multiply q . k by scale = 1/sqrt(head_dim)")
+    in_order = torch.arange(block_tables.numel(), dtype=block_tables.dtype, device=block_tables.device)
+    if torch.allclose(got, paged_decode_attention(q, k_cache, v_cache, in_order.view_as(block_tables), context_lens),
+                      atol=1e-4):
+        raise ExerciseFailed("the block table was ignored (blocks assumed to be 0, 1, 2, ...): load block b of "
+                             "sequence s from block_tables[s, b]")
     one = paged_decode_attention(q[:1], k_cache, v_cache, block_tables[:1], context_lens[:1])
     if torch.allclose(got[:1], one, atol=1e-4):
         raise ExerciseFailed("right for the one-token context, wrong for longer ones: check the running max "

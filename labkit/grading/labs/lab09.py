@@ -14,7 +14,11 @@ def _reference_chain(token_ids, block_size):
     return hashes
 
 
-@exercise("09", "chain_hashes")
+_MANAGER = "labkit.cache.block_manager.BlockManager"
+
+
+@exercise("09", "chain_hashes", forbidden=(f"{_MANAGER}.prefix_hits", f"{_MANAGER}.cache_computed_blocks",
+                                           "labkit.grading.labs.lab09._reference_chain"))
 def chain_hashes(ns):
     fn = require(ns, "chain_hashes")
     tokens = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 0]
@@ -22,6 +26,8 @@ def chain_hashes(ns):
     expected = _reference_chain(tokens, 4)
     if not isinstance(got, list):
         raise ExerciseFailed(f"return a list of ints, one per full block, got {type(got).__name__}")
+    if got and got == [hash_block(0, tokens[:4]), hash_block(hash_block(0, tokens[:4]), tokens[4:8])]:
+        raise ExerciseFailed("the chain started from 0: the first block has no previous block, so pass None")
     if len(got) == len(expected) + 1:
         raise ExerciseFailed("the partial last block got a hash: only full blocks are hashed (and shared)")
     if len(got) != len(expected):
@@ -30,6 +36,9 @@ def chain_hashes(ns):
     if got == independent:
         raise ExerciseFailed("each block is hashed on its own: pass the previous block's hash, so a hash "
                              "covers the whole prefix")
+    if got == [hash_block(None, tokens[:4]), hash_block(None, tokens[:8])]:
+        raise ExerciseFailed("each hash covers the whole prefix's tokens: pass the previous block's hash and "
+                             "only this block's tokens, hash_block(prev, block)")
     if got != expected:
         raise ExerciseFailed("hashes differ from hash_block(previous hash, block tokens), starting from None")
     if fn([1, 2, 3], 4) != [] or fn(list(range(8)), 2) != _reference_chain(list(range(8)), 2):
@@ -51,7 +60,7 @@ def _cache(entries, block_size):
     return table, blocks
 
 
-@exercise("09", "cached_prefix_blocks")
+@exercise("09", "cached_prefix_blocks", forbidden=(f"{_MANAGER}.prefix_hits",))
 def cached_prefix_blocks(ns):
     fn = require(ns, "cached_prefix_blocks")
     bs = 2
@@ -59,6 +68,14 @@ def cached_prefix_blocks(ns):
     got = fn([1, 2, 3, 4, 8, 8, 1], bs, table, blocks)
     if not isinstance(got, list):
         raise ExerciseFailed(f"return the list of hit block ids, got {type(got).__name__}")
+    if any(isinstance(b, Block) for b in got):
+        raise ExerciseFailed("return block ids (ints), not Block objects: blocks[i].block_id, or the id the "
+                             "hash table maps to")
+    if got == [h for h, b in table.items() if b in (0, 1)]:
+        raise ExerciseFailed("returned the hashes: return the block ids they map to (hash_to_block[h])")
+    if got == [0]:
+        raise ExerciseFailed("only the first block hit: look up each block by its chained hash, "
+                             "hash_block(previous block's hash, its tokens), as the cache stored it")
     if got != [0, 1]:
         raise ExerciseFailed(f"prompt [1,2,3,4,8,8,1] should hit blocks [0, 1] of the cache, got {got}")
     evicted = {h: b for h, b in table.items() if b != 1}  # block [3, 4] was evicted, [5, 6] after it was not
@@ -71,6 +88,13 @@ def cached_prefix_blocks(ns):
                              "(the model needs it to produce logits)")
     if got != [0, 1]:
         raise ExerciseFailed(f"prompt [1..6] in blocks of 2 should hit [0, 1], got {got}")
+    got = fn([1, 2, 3, 4, 5, 6, 9], bs, table, blocks)
+    if got == [0, 1]:
+        raise ExerciseFailed("stopped one block early: [1..6, 9] can reuse all three full blocks, because token 9 "
+                             "is left to compute; only full blocks before the last token count, "
+                             "(len(token_ids) - 1) // block_size of them")
+    if got != [0, 1, 2]:
+        raise ExerciseFailed(f"prompt [1..6, 9] in blocks of 2 should hit [0, 1, 2], got {got}")
     stale = blocks[1]
     blocks[1] = Block(1, 0, stale.hash, (8, 8))  # the entry survived but the block now holds other tokens
     got = fn([1, 2, 3, 4, 5, 6, 7], bs, table, blocks)
@@ -89,7 +113,7 @@ def _pool():
     return blocks, table
 
 
-@exercise("09", "take_free_block")
+@exercise("09", "take_free_block", forbidden=(f"{_MANAGER}._take_free_block",))
 def take_free_block(ns):
     fn = require(ns, "take_free_block")
     blocks, table = _pool()

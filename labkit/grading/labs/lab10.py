@@ -8,30 +8,44 @@ from labkit.cache.sequence_blocks import BlockSequence
 from labkit.grading import ExerciseFailed, exercise, require
 
 
-@exercise("10", "can_append")
+@exercise("10", "can_append", forbidden=(
+    "labkit.cache.block_manager.BlockManager.can_append", "labkit.cache.block_manager.BlockManager._missing_blocks",
+    "labkit.grading.labs.lab10.reference_can_append",
+))
 def can_append(ns):
     fn = require(ns, "can_append")
     rng = random.Random(10)
     cases = [(17, 2, 8, 0), (16, 2, 8, 0), (9, 1, 8, 1), (9, 1, 8, 0), (8, 1, 8, 0), (33, 4, 8, 1), (2, 1, 8, 0)]
     cases += [(n, -(-(n - 1) // bs), bs, rng.randint(0, 2))
               for bs in (8, 16, 32) for n in (rng.randint(2, 200) for _ in range(20))]
-    for num_tokens, num_blocks_held, block_size, num_free in cases:
-        want = reference_can_append(num_tokens, num_blocks_held, block_size, num_free)
-        got = fn(num_tokens, num_blocks_held, block_size, num_free)
+    answers = []
+    for case in cases:
+        got = fn(*case)
         if not isinstance(got, bool):
             raise ExerciseFailed(f"can_append must return True or False, got {got!r}")
-        if got == want:
-            continue
-        args = f"num_tokens={num_tokens}, num_blocks_held={num_blocks_held}, block_size={block_size}, " \
-               f"num_free_blocks={num_free}"
-        if num_tokens % block_size == 0 and want:
-            raise ExerciseFailed(f"{args}: the new token is the last slot of a block already held, so no block "
-                                 "is needed (a new block starts at num_tokens % block_size == 1, not == 0)")
-        if num_tokens % block_size == 1 and num_free == 0 and got:
-            raise ExerciseFailed(f"{args}: the new token starts a new block (num_tokens % block_size == 1) and "
-                                 "no block is free: it cannot append")
-        raise ExerciseFailed(f"{args}: expected {want}, got {got}")
+        answers.append(got)
+    wrong = [(case, got) for case, got in zip(cases, answers, strict=True) if got != reference_can_append(*case)]
+    if wrong:
+        for rule, why in _CAN_APPEND_MISTAKES:  # named only if the rule explains every case
+            if all(got == rule(*case) for case, got in zip(cases, answers, strict=True)):
+                raise ExerciseFailed(why)
+        (num_tokens, held, block_size, free), got = wrong[0]
+        raise ExerciseFailed(f"num_tokens={num_tokens}, num_blocks_held={held}, block_size={block_size}, "
+                             f"num_free_blocks={free}: expected {not got}, got {got}")
     return "needs a free block exactly when the newest token starts a new block"
+
+
+_CAN_APPEND_MISTAKES = (
+    (lambda n, held, bs, free: free >= (n % bs == 0),
+     "a new block is needed when the new token starts one, at num_tokens % block_size == 1, not == 0 (at 0 "
+     "it is the last slot of a block already held)"),
+    (lambda n, held, bs, free: True, "when the new token starts a new block (num_tokens % block_size == 1) and "
+                                     "no block is free, it cannot append"),
+    (lambda n, held, bs, free: free > 0, "a free block is needed only when the new token starts a new block "
+                                         "(num_tokens % block_size == 1); otherwise it fits in the last block held"),
+    (lambda n, held, bs, free: n % bs != 1, "when the new token starts a new block and a free block is there to "
+                                            "take, it can append: compare with num_free_blocks"),
+)
 
 
 def reference_can_append(num_tokens: int, num_blocks_held: int, block_size: int, num_free_blocks: int) -> bool:
@@ -92,7 +106,7 @@ def _random_case(rng):
     return running, waiting, rng.randint(len(running) + 1, 48), rng.randint(len(running) + 1, 8), rng.randint(0, 8)
 
 
-@exercise("10", "schedule_step")
+@exercise("10", "schedule_step", forbidden=("labkit.grading.labs.lab10.reference_schedule_step",))
 def schedule_step(ns):
     fn = require(ns, "schedule_step")
     rng = random.Random(1010)

@@ -1,0 +1,272 @@
+"""Lab 01: byte-pair encoding by hand (pair counts, one merge, training, encoding)."""
+
+from collections import Counter, defaultdict
+from itertools import pairwise
+
+from catalogue import Right, Wrong
+from labkit.tokenizer import apply_merges, merge_pair, pair_counts, pretokenize, train
+
+# ---- correct answers, in different styles
+
+def pair_counts_dict(ids):
+    counts = {}
+    for pair in pairwise(ids):
+        counts[pair] = counts.get(pair, 0) + 1
+    return counts
+
+
+def pair_counts_indexed(ids):
+    counts = defaultdict(int)
+    for i in range(len(ids) - 1):
+        counts[ids[i], ids[i + 1]] += 1
+    return dict(counts)
+
+
+def merge_while(ids, pair, new_id):
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def merge_skip_flag(ids, pair, new_id):
+    out, skip = [], False
+    for i, token in enumerate(ids):
+        if skip:
+            skip = False
+        elif i + 1 < len(ids) and (token, ids[i + 1]) == pair:
+            out.append(new_id)
+            skip = True
+        else:
+            out.append(token)
+    return out
+
+
+def train_recount(text, num_merges):
+    pieces = [list(piece.encode("utf-8")) for piece in pretokenize(text)]
+    merges = {}
+    for step in range(num_merges):
+        counts = Counter()
+        for ids in pieces:
+            counts.update(pairwise(ids))
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        merges[pair] = 256 + step
+        pieces = [merge_while(ids, pair, 256 + step) for ids in pieces]
+    return merges
+
+
+def train_by_word_counts(text, num_merges):
+    words = Counter(tuple(piece.encode("utf-8")) for piece in pretokenize(text))
+    merges = {}
+    for step in range(num_merges):
+        counts = Counter()
+        for word, n in words.items():
+            for pair in pairwise(word):
+                counts[pair] += n
+        if not counts:
+            break
+        best = max(counts.values())
+        pair = min(p for p, c in counts.items() if c == best)
+        merges[pair] = 256 + step
+        words = Counter({tuple(merge_skip_flag(list(w), pair, 256 + step)): n for w, n in words.items()})
+    return merges
+
+
+def encode_lowest_rank(text, merges):
+    out = []
+    for piece in pretokenize(text):
+        ids = list(piece.encode("utf-8"))
+        while len(ids) > 1:
+            pair = min(pairwise(ids), key=lambda p: merges.get(p, float("inf")))
+            if pair not in merges:
+                break
+            ids = merge_while(ids, pair, merges[pair])
+        out.extend(ids)
+    return out
+
+
+def encode_in_learned_order(text, merges):
+    out = []
+    for piece in pretokenize(text):
+        ids = list(piece.encode("utf-8"))
+        for pair, new_id in sorted(merges.items(), key=lambda item: item[1]):
+            ids = merge_skip_flag(ids, pair, new_id)
+        out.extend(ids)
+    return out
+
+
+# ---- wrong answers
+
+def seed_style_training(text, num_merges):
+    """The seed's loop: counts a fresh copy of the bytes each time, so nothing is ever merged."""
+    merges = {}
+    for step in range(num_merges):
+        merges[Counter(pairwise(text.encode())).most_common(1)[0][0]] = 256 + step
+    return merges
+
+
+def train_on_raw_bytes(text, num_merges):
+    ids, merges = list(text.encode()), {}
+    for step in range(num_merges):
+        counts = pair_counts_dict(ids)
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        merges[pair] = 256 + step
+        ids = merge_while(ids, pair, 256 + step)
+    return merges
+
+
+def train_ties_to_first_seen(text, num_merges):
+    pieces = [list(p.encode()) for p in pretokenize(text)]
+    merges = {}
+    for step in range(num_merges):
+        counts = Counter()
+        for ids in pieces:
+            counts.update(pairwise(ids))
+        pair = max(counts, key=counts.get)
+        merges[pair] = 256 + step
+        pieces = [merge_while(ids, pair, 256 + step) for ids in pieces]
+    return merges
+
+
+def encode_all_text_at_once(text, merges):
+    ids = list(text.encode())
+    for pair, new_id in sorted(merges.items(), key=lambda item: item[1]):
+        ids = merge_while(ids, pair, new_id)
+    return ids
+
+
+def encode_by_frequency(text, merges):
+    out = []
+    for piece in pretokenize(text):
+        ids = list(piece.encode())
+        while True:
+            counts = Counter({p: c for p, c in pair_counts_dict(ids).items() if p in merges})
+            if not counts:
+                break
+            pair = counts.most_common(1)[0][0]
+            ids = merge_while(ids, pair, merges[pair])
+        out.extend(ids)
+    return out
+
+
+def encode_latest_first(text, merges):
+    out = []
+    for piece in pretokenize(text):
+        ids = list(piece.encode())
+        for pair, new_id in sorted(merges.items(), key=lambda item: -item[1]):
+            ids = merge_while(ids, pair, new_id)
+        out.extend(ids)
+    return out
+
+
+def merge_in_place(ids, pair, new_id):
+    i = 0
+    while i < len(ids) - 1:
+        if (ids[i], ids[i + 1]) == pair:
+            ids[i:i + 2] = [new_id]
+        i += 1
+    return ids
+
+
+def merge_first_only(ids, pair, new_id):
+    for i in range(len(ids) - 1):
+        if (ids[i], ids[i + 1]) == pair:
+            return ids[:i] + [new_id] + ids[i + 2:]
+    return list(ids)
+
+
+def merge_dropping_last(ids, pair, new_id):
+    out, i = [], 0
+    while i < len(ids) - 1:
+        if (ids[i], ids[i + 1]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def merge_without_skipping(ids, pair, new_id):
+    return [new_id if (a, b) == pair else a for a, b in zip(ids, ids[1:], strict=False)] + ids[-1:]
+
+
+def merge_right_to_left(ids, pair, new_id):
+    return merge_while(ids[::-1], pair[::-1], new_id)[::-1]
+
+
+def merge_either_order(ids, pair, new_id):
+    return merge_while(merge_while(ids, pair, new_id), pair[::-1], new_id)
+
+
+def train_off_by_one_ids(text, num_merges):
+    return {pair: new_id + 1 for pair, new_id in train_recount(text, num_merges).items()}
+
+
+def train_one_merge_short(text, num_merges):
+    return train_recount(text, num_merges - 1)
+
+
+RIGHT = [
+    Right("get_pair_counts", "dict.get over itertools.pairwise", pair_counts_dict),
+    Right("get_pair_counts", "index loop into a defaultdict", pair_counts_indexed),
+    Right("get_pair_counts", "Counter of zip(ids, ids[1:])", lambda ids: Counter(zip(ids, ids[1:], strict=False))),
+    Right("merge", "while loop with an index", merge_while),
+    Right("merge", "for loop with a skip flag", merge_skip_flag),
+    Right("train_bpe", "recount every piece after each merge", train_recount),
+    Right("train_bpe", "count distinct words once, weighted by frequency", train_by_word_counts),
+    Right("encode", "repeatedly merge the lowest-ranked pair", encode_lowest_rank),
+    Right("encode", "apply every merge in learned order to each piece", encode_in_learned_order),
+]
+
+WRONG = [
+    Wrong("get_pair_counts", "skips the last pair", lambda ids: Counter(pairwise(ids[:-1])),
+          "the last pair is missing"),
+    Wrong("get_pair_counts", "counts single ids, not pairs", lambda ids: Counter(ids), "keys must be pairs"),
+    Wrong("get_pair_counts", "returns a list of pairs", lambda ids: list(pairwise(ids)), "return a dict"),
+    Wrong("get_pair_counts", "non-overlapping pairs (stepping by 2)",
+          lambda ids: Counter(zip(ids[::2], ids[1::2], strict=False)), "without overlap"),
+    Wrong("get_pair_counts", "a set of pairs, each counted once", lambda ids: dict.fromkeys(pairwise(ids), 1),
+          "every pair got count 1"),
+    Wrong("get_pair_counts", "pairs stored reversed", lambda ids: Counter((b, a) for a, b in pairwise(ids)),
+          "pairs are reversed"),
+    Wrong("get_pair_counts", "wraps around from the last id to the first",
+          lambda ids: Counter(zip(ids, ids[1:] + ids[:1], strict=False)), "for ids="),
+    Wrong("get_pair_counts", "hard-codes the notebook's example", lambda ids: {(1, 2): 2, (2, 3): 1, (3, 1): 1},
+          "for ids=[] expected {}"),
+    Wrong("get_pair_counts", "calls labkit's pair_counts", lambda ids: pair_counts(ids), "`pair_counts`",
+          calls="labkit.tokenizer.pair_counts"),
+    Wrong("merge", "mutates the input list", merge_in_place, "changed the list it was given"),
+    Wrong("merge", "merges only the first occurrence", merge_first_only, "only the first occurrence was merged"),
+    Wrong("merge", "drops the last id", merge_dropping_last, "the last id was dropped"),
+    Wrong("merge", "keeps the second id after a merge", merge_without_skipping, "skip past both ids"),
+    Wrong("merge", "scans right to left", merge_right_to_left, "left to right, no overlap"),
+    Wrong("merge", "merges (b, a) too", merge_either_order, "also merged the reversed pair"),
+    Wrong("merge", "returns a tuple", lambda ids, pair, new_id: tuple(merge_while(ids, pair, new_id)), "return a list"),
+    Wrong("merge", "calls labkit's merge_pair", lambda ids, pair, new_id: merge_pair(ids, pair, new_id),
+          "`merge_pair`", calls="labkit.tokenizer.merge_pair"),
+    Wrong("train_bpe", "re-counts the raw text each step (the seed's bug)", seed_style_training, "the seed's bug"),
+    Wrong("train_bpe", "counts across pretokenized pieces", train_on_raw_bytes, "counted across piece boundaries"),
+    Wrong("train_bpe", "ties go to the first pair seen", train_ties_to_first_seen, "ties going to the smaller pair"),
+    Wrong("train_bpe", "returns a list of pairs", lambda text, n: [(1, 2)] * n, "return a dict"),
+    Wrong("train_bpe", "new ids start at 257", train_off_by_one_ids, "new ids must be 256, 257"),
+    Wrong("train_bpe", "one merge too few", train_one_merge_short, "asked for 40 merges, got 39"),
+    Wrong("train_bpe", "calls labkit's train", lambda text, n: {p: 256 + i for i, p in enumerate(
+        train(text, 256 + n).merges)}, "`train`", calls="labkit.tokenizer.train"),
+    Wrong("encode", "returns the raw UTF-8 bytes", lambda text, merges: list(text.encode()), "no merge was applied"),
+    Wrong("encode", "merges across pretokenized pieces", encode_all_text_at_once, "applied across piece boundaries"),
+    Wrong("encode", "picks the most frequent pair, not the earliest merge", encode_by_frequency,
+          "earliest-learned merge first"),
+    Wrong("encode", "applies the latest merges first", encode_latest_first, "latest-learned merges were applied first"),
+    Wrong("encode", "returns the decoded string", lambda text, merges: text, "return a list of ids"),
+    Wrong("encode", "calls labkit's apply_merges", lambda text, merges: [i for piece in pretokenize(text) for i in
+          apply_merges(list(piece.encode()), {p: (n - 256, n) for p, n in merges.items()})],
+          "`apply_merges`", calls="labkit.tokenizer.apply_merges"),
+]

@@ -1,0 +1,211 @@
+"""Lab 05: RMSNorm, rotary embeddings and attention over a growing KV cache."""
+
+import torch
+import torch.nn.functional as F
+
+from catalogue import Right, Wrong
+from labkit.attention.dense import causal_attention
+from labkit.model.layers import apply_rotary
+
+# ---- rms_norm
+
+
+def rms_fp32(x, w, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def rms_via_norm(x, w, eps):
+    x32 = x.to(torch.float32)
+    rms = (x32.norm(dim=-1, keepdim=True) ** 2 / x.shape[-1] + eps).sqrt()
+    return w * (x32 / rms).to(x.dtype)
+
+
+def rms_fp16(x, w, eps):
+    """The formula right, but computed in the input's dtype: x^2 overflows fp16 above 256."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rms_in_place(x, w, eps):
+    x.mul_(torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype))
+    return x * w
+
+
+# ---- apply_rotary
+
+
+def rotary(x, positions, theta, *, interleaved=False, sign=1.0, exponent=2):
+    """Rotary embedding computed in float64, returned in float32; the keywords make the usual mistakes."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).double() * exponent / 2 / d)
+    angles = positions.double()[:, None] * inv_freq * sign
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x = x.double()
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, -1)
+    a, b = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.stack((a, b), -1).flatten(-2) if interleaved else torch.cat((a, b), -1)
+    return out.float()
+
+
+def rotary_half_split(x, positions, theta):
+    return rotary(x, positions, theta).to(x.dtype)
+
+
+def rotary_complex(x, positions, theta):
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    turn = torch.polar(torch.ones(len(positions), d // 2, dtype=torch.float64), positions.double()[:, None] * freqs)
+    x1, x2 = x.double()[..., : d // 2], x.double()[..., d // 2:]
+    rotated = torch.complex(x1, x2) * turn[:, None, :]
+    return torch.cat((rotated.real, rotated.imag), -1).to(x.dtype)
+
+
+def rotary_labkit(x, positions, theta):
+    """Angles by hand, the rotation itself by labkit."""
+    d = x.shape[-1]
+    angles = positions.float()[:, None] / theta ** (torch.arange(0, d, 2).float() / d)
+    return apply_rotary(x, angles.cos(), angles.sin())
+
+
+# ---- attention_with_cache
+
+
+def attend(q, k, v, cached, *, scale=True, align_end=True, interleave=True):
+    """One step's attention, q [n, Hq, D] over k, v [S, Hkv, D]; the keywords make the usual mistakes."""
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    expand = (lambda t: t.repeat_interleave(group, 0)) if interleave else (lambda t: t.repeat(group, 1, 1))
+    scores = qh @ expand(kh).transpose(1, 2) / (d**0.5 if scale else 1.0)
+    allowed = torch.ones(n, k.shape[0], dtype=torch.bool).tril(diagonal=cached if align_end else 0)
+    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ expand(vh)).transpose(0, 1)
+
+
+def make_attention(*, scale=True, align_end=True, interleave=True, append=True, front=False):
+    def attention_with_cache(q, k_new, v_new, cache):
+        cached = cache["k"].shape[1]
+        k_t, v_t = k_new.transpose(0, 1), v_new.transpose(0, 1)
+        if append:
+            order = (lambda old, new: (new, old)) if front else (lambda old, new: (old, new))
+            cache["k"] = torch.cat(order(cache["k"], k_t), dim=1)
+            cache["v"] = torch.cat(order(cache["v"], v_t), dim=1)
+        k_all, v_all = torch.cat([cache["k"][:, :cached], k_t], 1), torch.cat([cache["v"][:, :cached], v_t], 1)
+        if front:
+            k_all, v_all = cache["k"], cache["v"]
+        return attend(q, k_all.transpose(0, 1), v_all.transpose(0, 1), cached, scale=scale,
+                      align_end=align_end, interleave=interleave)
+
+    return attention_with_cache
+
+
+def sdpa_with_mask(q, k_new, v_new, cache):
+    cache["k"] = torch.cat([cache["k"], k_new.transpose(0, 1)], 1)
+    cache["v"] = torch.cat([cache["v"], v_new.transpose(0, 1)], 1)
+    n, total = q.shape[0], cache["k"].shape[1]
+    allowed = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), cache["k"], cache["v"], attn_mask=allowed, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def per_head_loop(q, k_new, v_new, cache):
+    cache["k"] = torch.cat([cache["k"], k_new.permute(1, 0, 2)], 1)
+    cache["v"] = torch.cat([cache["v"], v_new.permute(1, 0, 2)], 1)
+    n, num_heads, d = q.shape
+    total, group = cache["k"].shape[1], num_heads // cache["k"].shape[0]
+    out = torch.empty_like(q)
+    for h in range(num_heads):
+        k, v = cache["k"][h // group], cache["v"][h // group]
+        for i in range(n):
+            visible = total - n + i + 1
+            w = (q[i, h] @ k[:visible].T / d**0.5).softmax(-1)
+            out[i, h] = w @ v[:visible]
+    return out
+
+
+def no_mask_attention(q, k_new, v_new, cache):
+    cache["k"] = torch.cat([cache["k"], k_new.transpose(0, 1)], 1)
+    cache["v"] = torch.cat([cache["v"], v_new.transpose(0, 1)], 1)
+    k, v = cache["k"].repeat_interleave(3, 0), cache["v"].repeat_interleave(3, 0)
+    w = (q.transpose(0, 1) @ k.transpose(1, 2) / q.shape[-1] ** 0.5).softmax(-1)
+    return (w @ v).transpose(0, 1)
+
+
+def sdpa_is_causal(q, k_new, v_new, cache):
+    cache["k"] = torch.cat([cache["k"], k_new.transpose(0, 1)], 1)
+    cache["v"] = torch.cat([cache["v"], v_new.transpose(0, 1)], 1)
+    return F.scaled_dot_product_attention(q.transpose(0, 1), cache["k"], cache["v"], is_causal=True,
+                                          enable_gqa=True).transpose(0, 1)
+
+
+def new_tokens_only(q, k_new, v_new, cache):
+    """Attends over the new tokens alone: the cache is filled but never read."""
+    cache["k"] = torch.cat([cache["k"], k_new.transpose(0, 1)], 1)
+    cache["v"] = torch.cat([cache["v"], v_new.transpose(0, 1)], 1)
+    return make_attention(append=False)(q, k_new, v_new, {"k": cache["k"][:, :0], "v": cache["v"][:, :0]})
+
+
+def labkit_causal(q, k_new, v_new, cache):
+    cache["k"] = torch.cat([cache["k"], k_new.transpose(0, 1)], 1)
+    cache["v"] = torch.cat([cache["v"], v_new.transpose(0, 1)], 1)
+    return causal_attention(q.transpose(0, 1), cache["k"], cache["v"]).transpose(0, 1)
+
+
+RIGHT = [
+    Right("rms_norm", "rsqrt in float32, cast back", rms_fp32),
+    Right("rms_norm", "vector norm in float32, weight in the input dtype", rms_via_norm),
+    Right("apply_rotary", "half-split cos/sin", rotary_half_split),
+    Right("apply_rotary", "complex multiplication", rotary_complex),
+    Right("attention_with_cache", "matmul softmax with repeat_interleave", make_attention()),
+    Right("attention_with_cache", "SDPA with an end-aligned mask and enable_gqa", sdpa_with_mask),
+    Right("attention_with_cache", "loop over heads and queries", per_head_loop),
+]
+
+WRONG = [
+    Wrong("rms_norm", "no eps", lambda x, w, eps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * w,
+          "add eps inside the square root"),
+    Wrong("rms_norm", "forgot the weight", lambda x, w, eps: rms_fp32(x, torch.ones_like(w), eps),
+          "weight was not applied"),
+    Wrong("rms_norm", "LayerNorm instead", lambda x, w, eps: F.layer_norm(x, x.shape[-1:], eps=eps) * w,
+          "RMSNorm does not subtract"),
+    Wrong("rms_norm", "root of the sum of squares", lambda x, w, eps: x * torch.rsqrt(
+        x.pow(2).sum(-1, keepdim=True) + eps) * w, "*sum* of squares"),
+    Wrong("rms_norm", "eps outside the square root", lambda x, w, eps: x / (
+        x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * w, "eps was added after"),
+    Wrong("rms_norm", "mean over the batch axis", lambda x, w, eps: x * torch.rsqrt(
+        x.pow(2).mean(0, keepdim=True) + eps) * w, "wrong axis"),
+    Wrong("rms_norm", "returns fp32 for fp16 input", lambda x, w, eps: rms_fp32(x, w, eps).float(),
+          "fp16 input return fp16"),
+    Wrong("rms_norm", "computed in fp16 (overflows at ±400)", rms_fp16, "x^2 overflows fp16"),
+    Wrong("rms_norm", "normalises x in place", rms_in_place, "changed its input x in place"),
+    Wrong("rms_norm", "calls torch's F.rms_norm", lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps),
+          "`torch.nn.functional.rms_norm`", calls="torch.nn.functional.rms_norm"),
+    Wrong("apply_rotary", "returned x unrotated", lambda x, p, theta: x, "unchanged"),
+    Wrong("apply_rotary", "rotated neighbouring pairs", lambda x, p, theta: rotary(
+        x, p, theta, interleaved=True), "neighbouring pairs"),
+    Wrong("apply_rotary", "rotated the wrong way", lambda x, p, theta: rotary(x, p, theta, sign=-1.0),
+          "wrong way"),
+    Wrong("apply_rotary", "theta^(-i/d) frequencies", lambda x, p, theta: rotary(
+        x, p, theta, exponent=1), "wrong frequencies"),
+    Wrong("apply_rotary", "hard-coded theta 10000", lambda x, p, theta: rotary(x, p, 10000.0),
+          "theta was ignored"),
+    Wrong("apply_rotary", "positions counted from 1", lambda x, p, theta: rotary(x, p + 1, theta),
+          "off by one"),
+    Wrong("apply_rotary", "ignored positions (assumed 0..T-1)", lambda x, p, theta: rotary(
+        x, torch.arange(x.shape[0]), theta), "positions argument was ignored"),
+    Wrong("apply_rotary", "returned only the first half", lambda x, p, theta: x[:, :, :4], "should have shape"),
+    Wrong("apply_rotary", "calls labkit's apply_rotary", rotary_labkit, "`apply_rotary`",
+          calls="labkit.model.layers.apply_rotary"),
+    Wrong("attention_with_cache", "never stores into the cache", make_attention(append=False), "append k_new"),
+    Wrong("attention_with_cache", "new keys in front of the cache", make_attention(front=True), "position order"),
+    Wrong("attention_with_cache", "forgot the sqrt(head_dim) scale", make_attention(scale=False), "sqrt(head_dim)"),
+    Wrong("attention_with_cache", "repeat, not repeat_interleave", make_attention(interleave=False),
+          "repeat_interleave"),
+    Wrong("attention_with_cache", "mask aligned to the first key", make_attention(align_end=False),
+          "aligned to the first key"),
+    Wrong("attention_with_cache", "SDPA's is_causal with a cache", sdpa_is_causal, "aligned to the first key"),
+    Wrong("attention_with_cache", "no causal mask", no_mask_attention, "causal mask"),
+    Wrong("attention_with_cache", "attends over the new tokens only", new_tokens_only, "differs from causal attention"),
+    Wrong("attention_with_cache", "returned the wrong shape", lambda q, k, v, cache: q[:, :2], "should have shape"),
+    Wrong("attention_with_cache", "calls labkit's causal_attention", labkit_causal,
+          "`causal_attention`", calls="labkit.attention.dense.causal_attention"),
+]

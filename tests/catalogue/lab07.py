@@ -1,0 +1,290 @@
+"""Lab 07: PagedAttention's block allocator, memory arithmetic, the gather and online softmax."""
+
+import math
+
+import torch
+
+from catalogue import Right, Wrong
+from labkit.attention.reference import gather_kv, online_softmax_attention
+from labkit.cache.block_manager import BlockManager
+from labkit.cache.sequence_blocks import BlockSequence
+from labkit.grading.labs.lab07 import _reference_savings
+
+# ---- SimpleBlockAllocator
+
+
+class Allocator:
+    """A list of free block ids; `mistake` switches on one typical bug."""
+
+    mistake = None
+
+    def __init__(self, total_blocks, block_size):
+        self.total, self.bs, self.free = total_blocks, block_size, list(range(total_blocks))
+        self.tables, self.lens = {}, {}
+
+    def blocks_for(self, tokens):
+        if self.mistake == "floor":
+            return tokens // self.bs
+        if self.mistake == "plus_one":
+            return tokens // self.bs + 1
+        return -(-tokens // self.bs)
+
+    def allocate_sequence(self, seq_id, length):
+        if self.mistake == "same_blocks":
+            self.tables[seq_id], self.lens[seq_id] = list(range(self.blocks_for(length))), length
+            return list(self.tables[seq_id])
+        self.tables[seq_id], self.lens[seq_id] = [], 0
+        self.append_tokens(seq_id, length)
+        return list(self.tables[seq_id])
+
+    def append_tokens(self, seq_id, num_tokens):
+        if self.mistake == "eager" and self.lens[seq_id]:  # a new block per append, ignoring the last one's room
+            needed = self.blocks_for(num_tokens)
+        else:
+            needed = self.blocks_for(self.lens[seq_id] + num_tokens) - len(self.tables[seq_id])
+        self.lens[seq_id] += num_tokens
+        new = [self.free.pop(0) for _ in range(needed)]
+        self.tables[seq_id] += new
+        return new or None
+
+    def free_sequence(self, seq_id):
+        blocks = self.tables.pop(seq_id)
+        if self.mistake != "leak":
+            self.free += blocks
+        return None if self.mistake == "no_count" else len(blocks)
+
+    def get_utilization(self):
+        if self.mistake == "tokens":
+            return sum(self.lens[s] for s in self.tables) / (self.total * self.bs)
+        used = 1 - len(self.free) / self.total
+        return 100 * used if self.mistake == "percent" else used
+
+
+def allocator_with(mistake):
+    return type(f"Allocator_{mistake}", (Allocator,), {"mistake": mistake})
+
+
+class SetAllocator:
+    """A set of free ids and a sequence's token count; blocks needed computed with math.ceil."""
+
+    def __init__(self, total_blocks, block_size):
+        self.total_blocks, self.block_size = total_blocks, block_size
+        self.free, self.tables, self.tokens = set(range(total_blocks)), {}, {}
+
+    def _grow(self, seq_id, tokens):
+        self.tokens[seq_id] = tokens
+        new = [self.free.pop() for _ in range(math.ceil(tokens / self.block_size) - len(self.tables[seq_id]))]
+        self.tables[seq_id].extend(new)
+        return new
+
+    def allocate_sequence(self, seq_id, length):
+        self.tables[seq_id] = []
+        return list(self._grow(seq_id, length))
+
+    def append_tokens(self, seq_id, num_tokens):
+        return self._grow(seq_id, self.tokens[seq_id] + num_tokens) or None
+
+    def free_sequence(self, seq_id):
+        blocks = self.tables.pop(seq_id)
+        del self.tokens[seq_id]
+        self.free.update(blocks)
+        return len(blocks)
+
+    def get_utilization(self):
+        return (self.total_blocks - len(self.free)) / self.total_blocks
+
+
+class ManagerAllocator:
+    """labkit's BlockManager behind the exercise's interface."""
+
+    def __init__(self, total_blocks, block_size):
+        self.manager, self.total, self.seqs = BlockManager(total_blocks, block_size, enable_prefix_caching=False), \
+            total_blocks, {}
+
+    def allocate_sequence(self, seq_id, length):
+        self.seqs[seq_id] = BlockSequence(seq_id, [0] * length)
+        self.manager.allocate(self.seqs[seq_id])
+        return list(self.seqs[seq_id].block_table)
+
+    def append_tokens(self, seq_id, num_tokens):
+        seq = self.seqs[seq_id]
+        before = len(seq.block_table)
+        seq.token_ids.extend([0] * num_tokens)
+        self.manager.append(seq)
+        return seq.block_table[before:] or None
+
+    def free_sequence(self, seq_id):
+        seq = self.seqs.pop(seq_id)
+        held = len(seq.block_table)
+        self.manager.deallocate(seq)
+        return held
+
+    def get_utilization(self):
+        return 1 - self.manager.num_free_blocks / self.total
+
+
+# ---- calculate_memory_savings
+
+
+def savings(num_sequences, avg_length, max_length, block_size, memory_per_token, **mistake):
+    traditional = num_sequences * max_length * memory_per_token
+    if mistake.get("avg_for_traditional"):
+        traditional = num_sequences * avg_length * memory_per_token
+    paged = num_sequences * math.ceil(avg_length / block_size) * block_size * memory_per_token
+    if mistake.get("unrounded"):
+        paged = num_sequences * avg_length * memory_per_token
+    used = num_sequences * avg_length * memory_per_token
+    percent = 100 * (traditional - paged) / (paged if mistake.get("relative_to_paged") else traditional)
+    return {"traditional_memory": traditional, "paged_memory": paged,
+            "savings_bytes": (paged - traditional) if mistake.get("sign") else traditional - paged,
+            "savings_percent": percent / 100 if mistake.get("fraction") else percent,
+            "utilization_traditional": used / traditional,
+            "utilization_paged": paged / used if mistake.get("swapped") else used / paged}
+
+
+def savings_per_sequence(num_sequences, avg_length, max_length, block_size, memory_per_token):
+    blocks = (avg_length + block_size - 1) // block_size
+    per_seq_trad, per_seq_paged = max_length * memory_per_token, blocks * block_size * memory_per_token
+    trad, paged = num_sequences * per_seq_trad, num_sequences * per_seq_paged
+    return dict(traditional_memory=trad, paged_memory=paged, savings_bytes=trad - paged,
+                savings_percent=(1 - paged / trad) * 100, utilization_traditional=avg_length / max_length,
+                utilization_paged=avg_length / (blocks * block_size))
+
+
+# ---- gather_kv_from_blocks
+
+
+def gather(kv, table, lens, layer, kv_idx, mode="ok"):
+    if mode == "all_layers":
+        return torch.stack([gather_token_by_token(kv, table, lens, i, kv_idx) for i in range(kv.shape[1])], 1)
+    if mode == "keys":
+        return gather_token_by_token(kv, table, lens, layer, 0)
+    if mode == "contiguous":
+        table = torch.arange(table.numel()).view_as(table)
+    out = kv[table.clamp(min=0), layer, kv_idx].flatten(1, 2)
+    if mode == "whole_blocks":
+        return out
+    out = out[:, : int(lens.max())]
+    if mode == "no_zero":
+        return out
+    if mode == "order":
+        out = kv[table.clamp(min=0).flip(1), layer, kv_idx].flatten(1, 2)[:, : int(lens.max())]
+    return out * (torch.arange(out.shape[1])[None] < lens[:, None])[..., None, None]
+
+
+def gather_token_by_token(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
+    block_size = kv_cache.shape[3]
+    out = kv_cache.new_zeros(len(seq_lengths), int(seq_lengths.max()), *kv_cache.shape[4:])
+    for s, n in enumerate(seq_lengths.tolist()):
+        for t in range(n):
+            out[s, t] = kv_cache[block_table[s, t // block_size], layer_idx, kv_idx, t % block_size]
+    return out
+
+
+def labkit_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
+    out = gather_kv(kv_cache[:, layer_idx, kv_idx], block_table.clamp(min=0), int(seq_lengths.max()))
+    return out * (torch.arange(out.shape[1])[None] < seq_lengths[:, None])[..., None, None]
+
+
+# ---- online_softmax_attention
+
+
+def online(q, kb, vb, rescale=True, per_block=False, scale=True, normalise=True):
+    out, den = torch.zeros_like(q), torch.zeros(q.shape[:1], dtype=q.dtype)
+    m = torch.full(q.shape[:1], -math.inf, dtype=q.dtype)
+    factor = q.shape[-1] ** -0.5 if scale else 1.0
+    if per_block:
+        for k, v in zip(kb, vb, strict=True):
+            p = torch.softmax(torch.einsum("hd,bhd->hb", q, k) * factor, -1)
+            out = out + torch.einsum("hb,bhd->hd", p, v)
+        return out
+    for k, v in zip(kb, vb, strict=True):
+        s = torch.einsum("hd,bhd->hb", q, k) * factor
+        m_new = torch.maximum(m, s.max(-1).values)
+        p = torch.exp(s - m_new[:, None])
+        a = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        den, out, m = a * den + p.sum(-1), a[:, None] * out + torch.einsum("hb,bhd->hd", p, v), m_new
+    return out / den[:, None] if normalise else out
+
+
+def online_per_head_scalars(query, key_blocks, value_blocks):
+    heads, d = query.shape
+    out = torch.empty_like(query)
+    for h in range(heads):
+        m, total, acc = -math.inf, 0.0, torch.zeros(d, dtype=query.dtype)
+        for keys, values in zip(key_blocks, value_blocks, strict=True):
+            for key, value in zip(keys[:, h], values[:, h], strict=True):
+                score = float(query[h] @ key) / math.sqrt(d)
+                m_new = max(m, score)
+                total = total * math.exp(m - m_new) + math.exp(score - m_new)
+                acc = acc * math.exp(m - m_new) + math.exp(score - m_new) * value
+                m = m_new
+        out[h] = acc / total
+    return out
+
+
+RIGHT = [
+    Right("SimpleBlockAllocator", "free list, ceil by negative floor division", Allocator),
+    Right("SimpleBlockAllocator", "free set, math.ceil, token counts", SetAllocator),
+    Right("calculate_memory_savings", "totals first", savings),
+    Right("calculate_memory_savings", "per sequence, then scaled", savings_per_sequence),
+    Right("gather_kv_from_blocks", "vectorised block indexing", gather),
+    Right("gather_kv_from_blocks", "token by token", gather_token_by_token),
+    Right("online_softmax_attention", "vectorised over heads", online),
+    Right("online_softmax_attention", "scalar recurrence per head and key", online_per_head_scalars),
+]
+
+WRONG = [
+    Wrong("SimpleBlockAllocator", "a new block on every append", allocator_with("eager"), "14 free slots"),
+    Wrong("SimpleBlockAllocator", "freed blocks never return", allocator_with("leak"), "not back in the free pool"),
+    Wrong("SimpleBlockAllocator", "floor instead of ceil", allocator_with("floor"), "ceil(50/16) = 4 blocks"),
+    Wrong("SimpleBlockAllocator", "always one block extra", allocator_with("plus_one"), "exactly one new block"),
+    Wrong("SimpleBlockAllocator", "hands out blocks 0, 1, ... without taking them off the free list",
+          allocator_with("same_blocks"), "already holds"),
+    Wrong("SimpleBlockAllocator", "utilization as a percentage", allocator_with("percent"), "not a percentage"),
+    Wrong("SimpleBlockAllocator", "utilization of token slots", allocator_with("tokens"), "counted tokens"),
+    Wrong("SimpleBlockAllocator", "free_sequence returns nothing", allocator_with("no_count"),
+          "free_sequence returned None"),
+    Wrong("SimpleBlockAllocator", "wraps labkit's BlockManager", ManagerAllocator,
+          "`_take_free_block`", calls="labkit.cache.block_manager.BlockManager._take_free_block"),
+    Wrong("calculate_memory_savings", "imports the grader's reference", lambda **kw: _reference_savings(**kw),
+          "`_reference_savings`", calls="labkit.grading.labs.lab07._reference_savings"),
+    Wrong("calculate_memory_savings", "paged memory not rounded to blocks", lambda **kw: savings(**kw, unrounded=True),
+          "round each sequence up"),
+    Wrong("calculate_memory_savings", "percent of the paged memory", lambda **kw: savings(**kw, relative_to_paged=True),
+          "relative to the paged"),
+    Wrong("calculate_memory_savings", "savings as a fraction", lambda **kw: savings(**kw, fraction=True),
+          "percent means 0..100"),
+    Wrong("calculate_memory_savings", "savings with the wrong sign", lambda **kw: savings(**kw, sign=True),
+          "savings_bytes should be"),
+    Wrong("calculate_memory_savings", "paged utilization inverted", lambda **kw: savings(**kw, swapped=True),
+          "utilization_paged should be"),
+    Wrong("calculate_memory_savings", "traditional sized by the average", lambda **kw: savings(
+        **kw, avg_for_traditional=True), "traditional_memory should be"),
+    Wrong("calculate_memory_savings", "missing keys", lambda **kw: {"paged_memory": 0}, "return a dict with keys"),
+    Wrong("calculate_memory_savings", "hard-coded the first scenario", lambda **kw: savings(
+        num_sequences=30, avg_length=1000, max_length=2048, block_size=16, memory_per_token=512),
+          "for {'num_sequences': 7"),
+    Wrong("gather_kv_from_blocks", "kept every layer", lambda *a: gather(*a, mode="all_layers"), "layer dimension"),
+    Wrong("gather_kv_from_blocks", "gathered K for V", lambda *a: gather(*a, mode="keys"), "gathered the keys"),
+    Wrong("gather_kv_from_blocks", "whole blocks, not trimmed", lambda *a: gather(*a, mode="whole_blocks"),
+          "trim to the longest"),
+    Wrong("gather_kv_from_blocks", "no zero padding", lambda *a: gather(*a, mode="no_zero"), "zero padding"),
+    Wrong("gather_kv_from_blocks", "blocks in reverse order", lambda *a: gather(*a, mode="order"), "wrong places"),
+    Wrong("gather_kv_from_blocks", "ignored the block table", lambda *a: gather(*a, mode="contiguous"), "wrong places"),
+    Wrong("gather_kv_from_blocks", "returned a list per sequence", lambda *a: list(gather(*a)), "return a tensor"),
+    Wrong("gather_kv_from_blocks", "calls labkit's gather_kv", labkit_gather, "`gather_kv`",
+          calls="labkit.attention.reference.gather_kv"),
+    Wrong("online_softmax_attention", "no rescaling when the max grows", lambda *a: online(*a, rescale=False),
+          "rescale"),
+    Wrong("online_softmax_attention", "a softmax per block", lambda *a: online(*a, per_block=True), "its own softmax"),
+    Wrong("online_softmax_attention", "forgot the 1/sqrt(d) scale", lambda *a: online(*a, scale=False),
+          "not divided by sqrt(head_dim)"),
+    Wrong("online_softmax_attention", "never divides by the running sum", lambda *a: online(*a, normalise=False),
+          "divide the accumulator by the running sum"),
+    Wrong("online_softmax_attention", "kept a batch dimension", lambda *a: online(*a)[None],
+          "expected a [num_heads, head_dim]"),
+    Wrong("online_softmax_attention", "calls labkit's reference", lambda q, kb, vb: online_softmax_attention(q, kb, vb),
+          "`online_softmax_attention`",
+          calls="labkit.attention.reference.online_softmax_attention"),
+]
