@@ -5,29 +5,14 @@ import torch
 from labkit.grading import ExerciseFailed, exercise, require
 
 
-class _NoBuiltinSoftmax:
-    """While active, torch's own softmax raises, so the exercise really is written by hand."""
-
-    def __enter__(self):
-        self.saved = torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax
-
-        def refuse(*args, **kwargs):
-            raise ExerciseFailed("write softmax with exp and sum: torch's softmax is what you are rebuilding")
-
-        torch.softmax = torch.Tensor.softmax = torch.nn.functional.softmax = refuse
-
-    def __exit__(self, *exc):
-        torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax = self.saved
-
-
-@exercise("00", "softmax")
+@exercise("00", "softmax", forbidden=("torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax",
+                                      "torch.special.softmax"))
 def softmax(ns):
     fn = require(ns, "softmax")
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, generator=generator, dtype=torch.float64)
-    with _NoBuiltinSoftmax():
-        got = fn(logits.clone())
-        large = fn(logits.clone() * 1000)
+    got = fn(logits.clone())
+    large = fn(logits.clone() * 1000)
     if not isinstance(got, torch.Tensor) or got.shape != logits.shape:
         raise ExerciseFailed(f"expected a tensor of shape {tuple(logits.shape)}, got "
                              f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
