@@ -2,24 +2,26 @@
 
 `RemoteNamespace` stands in for the notebook's globals: `require(ns, "softmax")` returns a proxy,
 and calling it sends the arguments (safe codec, `labkit.grading.codec`) to the agent in the
-student's kernel as one execute request. The reply comes back on that request's own execute_reply,
-as the value of a user expression, never through stdout, so nothing the student prints, no IPython
-hook and no forged JSON line on the output stream is read as a reply; a per-request nonce ties the
-reply to its request. The reply can only carry values (the student's answer and the arguments' new
-contents, written back in place); the grader, its references and the score stay in this process.
+student's kernel. The channel is a Unix socket in the student's temporary folder that this side
+listens on; one execute request starts the agent's loop, which connects and then answers one
+length-prefixed JSON frame per request. Nothing the student prints, no IPython hook and no forged
+line on stdout reaches it, and a per-request nonce ties each reply to its request. A reply can only
+carry values (the student's answer and the arguments' new contents, written back in place); the
+grader, its references and the score stay in this process.
 """
 
-import ast
-import queue
-import secrets
+import os
+import select
+import socket
+import struct
 import time
+from pathlib import Path
 
-from labkit.grading.codec import CodecError, Decoder, Encoder, Handle, dumps, identity, loads
+from labkit.grading.codec import MAX_MESSAGE_BYTES, CodecError, Decoder, Encoder, Handle, dumps, identity, loads
 from labkit.grading.core import GRADING, ExerciseFailed
 from labkit.grading.forbidden import ForbiddenCall, explain
 
-AGENT = "__labkit_agent__"
-INSTALL = f"import labkit.grading.agent\n{AGENT} = labkit.grading.agent.Agent(get_ipython().user_ns)"
+FRAME = struct.Struct(">Q")
 
 
 class KernelLost(ExerciseFailed):
@@ -34,72 +36,108 @@ class RemoteError(Exception):
         self.type_name = type_name
 
 
-class KernelLink:
-    """One request, one reply, over the execute channel of a running kernel."""
+def send_frame(sock: socket.socket, text: str) -> None:
+    data = text.encode()
+    sock.sendall(FRAME.pack(len(data)) + data)
 
-    def __init__(self, kernel_manager, client, call_timeout_s: float, interrupt_grace_s: float = 5.0):
+
+def receive_frame(sock: socket.socket) -> str:
+    (size,) = FRAME.unpack(_receive_exactly(sock, FRAME.size))
+    if size > MAX_MESSAGE_BYTES:
+        raise CodecError(f"a message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    return _receive_exactly(sock, size).decode()
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 2**20))
+        if not chunk:
+            raise ConnectionError("the other side closed the grading channel")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class KernelLink:
+    """One request, one reply, with the agent in a running kernel."""
+
+    def __init__(self, kernel_manager, client, socket_path: Path, call_timeout_s: float, uid: int | None = None,
+                 interrupt_grace_s: float = 5.0):
         self.km, self.kc = kernel_manager, client
         self.call_timeout_s, self.interrupt_grace_s = call_timeout_s, interrupt_grace_s
         self.lost: str | None = None
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(socket_path))
+        if uid is not None:
+            os.chown(socket_path, uid, uid)
+        self.listener.listen(1)
+        self.socket_path = socket_path
+        self.channel: socket.socket | None = None
 
     def install_agent(self) -> None:
-        reply = self._execute(INSTALL, {}, self.call_timeout_s)
-        if reply["content"].get("status") != "ok":
-            raise KernelLost(f"the grading agent could not start in your kernel: {reply['content'].get('ename')}")
+        """Start the agent's loop with one execute request and take its connection."""
+        self.kc.execute(f"import labkit.grading.agent\nlabkit.grading.agent.Agent(get_ipython().user_ns)"
+                        f".serve_socket({str(self.socket_path)!r})", silent=True, store_history=False)
+        self.listener.settimeout(0.5)
+        deadline = time.monotonic() + self.call_timeout_s
+        while self.channel is None:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self.lost = "the grading agent did not start in your kernel"
+                raise KernelLost(self.lost)
+            try:
+                self.channel, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+        self.listener.close()
+
+    def close(self) -> None:
+        for sock in (self.channel, self.listener):
+            if sock is not None:
+                sock.close()
 
     def request(self, body: dict) -> dict:
-        nonce = secrets.token_hex(16)
-        code = f"{AGENT}.serve({dumps({**body, 'nonce': nonce})!r})"
-        reply = self._execute(code, {"reply": f"{AGENT}.reply"}, self.call_timeout_s)
-        expression = reply["content"].get("user_expressions", {}).get("reply", {})
+        if self.lost:
+            raise KernelLost(self.lost)
+        nonce = os.urandom(16).hex()
         try:
-            text = ast.literal_eval(expression["data"]["text/plain"])
-            if type(text) is not str:
-                raise TypeError("not a string")
-            answer = loads(text)
-        except (KeyError, TypeError, ValueError, SyntaxError, MemoryError, RecursionError) as error:
-            raise CodecError(f"the kernel's reply is not a grading reply ({type(error).__name__})") from None
+            send_frame(self.channel, dumps({**body, "nonce": nonce}))
+            text = self._reply(self.call_timeout_s)
+            if text is None:
+                self.km_interrupt()
+                text = self._reply(self.interrupt_grace_s)
+                if text is None:
+                    self.lost = f"your code ran past {self.call_timeout_s:.0f} s and the kernel stopped answering"
+                    raise KernelLost(self.lost)
+                raise KernelLost(f"your code ran past the time limit of {self.call_timeout_s:.0f} s "
+                                 "and was interrupted")
+        except (OSError, ConnectionError) as error:
+            self.lost = f"the grading channel to your kernel broke ({error})"
+            raise KernelLost(self.lost) from None
+        answer = loads(text)
         if type(answer) is not dict or answer.get("nonce") != nonce:
             raise CodecError("the kernel's reply does not answer this request")
         return answer
 
-    def _execute(self, code: str, expressions: dict, timeout_s: float) -> dict:
-        if self.lost:
-            raise KernelLost(self.lost)
-        msg_id = self.kc.execute(code, silent=True, store_history=False, user_expressions=expressions,
-                                 allow_stdin=False)
-        reply = self._wait(msg_id, timeout_s)
-        if reply is None:
-            self.km.interrupt_kernel()
-            reply = self._wait(msg_id, self.interrupt_grace_s)
-            if reply is None:
-                self.lost = f"your code ran past {timeout_s:.0f} s and the kernel stopped answering"
-                raise KernelLost(self.lost)
-            raise KernelLost(f"your code ran past the time limit of {timeout_s:.0f} s and was interrupted")
-        return reply
+    def km_interrupt(self) -> None:
+        from jupyter_core.utils import run_sync
 
-    def _wait(self, msg_id: str, timeout_s: float) -> dict | None:
+        run_sync(self.km.interrupt_kernel)()
+
+    def _reply(self, timeout_s: float) -> str | None:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            self._drain_output()
-            if not kernel_alive(self.km):
-                self.lost = "your kernel died while running your code"
-                raise KernelLost(self.lost)
-            try:
-                message = self.kc.get_shell_msg(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if message.get("parent_header", {}).get("msg_id") == msg_id:
-                return message
+            ready, _, _ = select.select([self.channel], [], [], min(left, 0.5))
+            if ready:
+                return receive_frame(self.channel)
+            self._check_alive()
         return None
 
-    def _drain_output(self) -> None:
-        """What the student's code prints while graded is not kept (nor read as anything)."""
-        while True:
-            try:
-                self.kc.get_iopub_msg(timeout=0)
-            except queue.Empty:
-                return
+    def _check_alive(self) -> None:
+        if not kernel_alive(self.km):
+            self.lost = "your kernel died while running your code"
+            raise KernelLost(self.lost)
 
 
 def kernel_alive(kernel_manager) -> bool:
@@ -135,18 +173,19 @@ class RemoteObject(Handle):
         encoder = Encoder()
         args, kwargs = encoder.encode(arguments[0]), encoder.encode(arguments[1])
         originals = {encoder.ids[identity(obj)]: obj for obj in encoder.keep}
-        answer = self._link.request({**body, **self._target, "args": args, "kwargs": kwargs,
-                                     "forbidden": list(wires.forbidden) if wires else []})
         decoder = Decoder(handle=lambda number, type_name: RemoteObject(
             self._link, {"handle": number}, type_name), known=originals)
         try:
+            answer = self._link.request({**body, **self._target, "args": args, "kwargs": kwargs,
+                                         "forbidden": list(wires.forbidden) if wires else []})
             for number, node in answer.get("updates", []):
                 if number not in originals or type(node) is not dict:
                     raise CodecError(f"the reply updates an unknown argument {number!r}")
                 decoder.fill(originals[number], node)
             result = decoder.decode(answer["result"]) if "result" in answer else None
-        except (KeyError, TypeError, RecursionError) as error:
-            raise CodecError(f"malformed reply ({type(error).__name__})") from None
+        except (CodecError, KeyError, TypeError, ValueError, RecursionError) as error:
+            raise ExerciseFailed(f"your kernel's reply could not be read ({type(error).__name__}: "
+                                 f"{str(error)[:200]})") from None
         tripped = [str(path) for path in answer.get("tripped", []) if wires and path in wires.forbidden]
         if tripped:
             wires.tripped.extend(tripped)

@@ -165,38 +165,43 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun) -> l
                                                         "when re-run") for ex in exercises(lab)]
         run.stopped = stopped
     sources = [c.source for c in nb.cells if c.cell_type == "code"]
-    link = KernelLink(client.km, _blocking_client(client), kernel.limits.call_s)
+    _stop(client)  # the cells' client stops listening: what the student prints while graded is not kept
+    link = KernelLink(client.km, _blocking_client(client), kernel.workdir / "grading.sock",
+                      kernel.limits.call_s, kernel.uid)
     try:
         link.install_agent()
+        return [run_exercise(ex, RemoteNamespace(link, sources)) for ex in exercises(lab)]
     except KernelLost as lost:
         return [Outcome(lab, ex.name, 0, ex.points, f"not graded: {lost}") for ex in exercises(lab)]
-    try:
-        return [run_exercise(ex, RemoteNamespace(link, sources)) for ex in exercises(lab)]
     finally:
+        link.close()
         link.kc.stop_channels()
-        _stop(client)
 
 
 def _kernel_answers(client: _LimitedClient) -> bool:
     """After a timeout: interrupt the kernel; if it answers again, its definitions are still there."""
-    try:
-        if not kernel_alive(client.km):
-            return False
-        run_sync(client.km.interrupt_kernel)()
-        probe = KernelLink(client.km, _blocking_client(client), 10)
-        try:
-            probe._execute("None", {}, 10)
-        finally:
-            probe.kc.stop_channels()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: start afresh
+    if not kernel_alive(client.km):
         return False
+    kc = _blocking_client(client)
+    try:
+        run_sync(client.km.interrupt_kernel)()
+        msg_id = kc.execute("None", silent=True, store_history=False)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return True
+    except Exception:  # noqa: BLE001 - no answer (queue.Empty, a dead kernel): start afresh
+        return False
+    finally:
+        kc.stop_channels()
+    return False
 
 
 def _blocking_client(client: _LimitedClient) -> BlockingKernelClient:
     kc = BlockingKernelClient()
     kc.load_connection_info(client.km.get_connection_info())
-    kc.start_channels()
+    kc.start_channels(iopub=False, stdin=False, hb=False)
     return kc
 
 
