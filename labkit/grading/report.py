@@ -154,8 +154,13 @@ class ClassGrader:
 def grade_folder(folder: Path, jobs: int = 2, hidden: list[Path] = (), limits: sandbox.Limits | None = None
                  ) -> list[LabReport]:
     """Every student's every lab, in order; notebooks are graded `jobs` at a time."""
-    students = students_of(folder)
-    grader = ClassGrader([folder, *hidden], limits)
+    return grade_students(students_of(folder), jobs, [folder, *hidden], limits)
+
+
+def grade_students(students: list[Path], jobs: int = 2, hidden: list[Path] = (),
+                   limits: sandbox.Limits | None = None) -> list[LabReport]:
+    """Each folder in `students` is one student, named after the folder."""
+    grader = ClassGrader([*students, *hidden], limits)
     work, reports = [], []
     for student in students:
         todo, rows = grader.plan(student)
