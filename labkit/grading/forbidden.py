@@ -128,16 +128,37 @@ def static_violations(source: str, name: str, forbidden: tuple[str, ...]) -> lis
         return []
     definitions = [node for node in ast.walk(tree)
                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name]
+    nodes = [n for d in definitions[-1:] for n in ast.walk(d)]
     found = []
-    for path in forbidden:
-        module, _, attr = path.rpartition(".")
-        for node in (n for d in definitions[-1:] for n in ast.walk(d)):
-            if (isinstance(node, ast.Attribute) and node.attr == attr) or (
-                    isinstance(node, ast.ImportFrom) and any(a.name == attr for a in node.names)
-                    and (node.module or "").split(".")[0] == module.split(".")[0]):
-                found.append(path)
-                break
-    return found
+    for node in nodes:
+        if isinstance(node, ast.Attribute):
+            candidates = [p for p in forbidden if p.rpartition(".")[2] == node.attr]
+            found += [_likeliest(_dotted(node), candidates)] if candidates else []
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                found += [p for p in forbidden if p.rpartition(".")[2] == alias.name
+                          and p.split(".")[0] == (node.module or "").split(".")[0]]
+    return list(dict.fromkeys(found))
+
+
+def _dotted(node: ast.expr) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    parts.append(node.id if isinstance(node, ast.Name) else "?")
+    return ".".join(reversed(parts))
+
+
+def _likeliest(dotted: str, candidates: list[str]) -> str:
+    """The forbidden path `x.softmax` most likely is: itself if spelled out, a method if on a variable."""
+    if dotted in candidates:
+        return dotted
+    base = dotted.split(".")[0]
+    if all(base != p.split(".")[0] for p in candidates):
+        methods = [p for p in candidates if p.split(".")[-2][:1].isupper()]
+        return (methods or candidates)[0]
+    return candidates[0]
 
 
 def _parse(source: str) -> ast.Module | None:

@@ -63,9 +63,10 @@ class KernelLink:
     """One request, one reply, with the agent in a running kernel."""
 
     def __init__(self, kernel_manager, client, socket_path: Path, call_timeout_s: float, uid: int | None = None,
-                 interrupt_grace_s: float = 5.0):
+                 deadline: float = float("inf"), interrupt_grace_s: float = 5.0):
         self.km, self.kc = kernel_manager, client
         self.call_timeout_s, self.interrupt_grace_s = call_timeout_s, interrupt_grace_s
+        self.deadline = deadline  # time.monotonic() after which no call starts: grading has its own budget
         self.lost: str | None = None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(socket_path))
@@ -100,18 +101,21 @@ class KernelLink:
     def request(self, body: dict) -> dict:
         if self.lost:
             raise KernelLost(self.lost)
+        timeout = min(self.call_timeout_s, self.deadline - time.monotonic())
+        if timeout <= 0:
+            self.lost = "grading your notebook ran past its time limit"
+            raise KernelLost(self.lost)
         nonce = os.urandom(16).hex()
         try:
             send_frame(self.channel, dumps({**body, "nonce": nonce}))
-            text = self._reply(self.call_timeout_s)
+            text = self._reply(timeout)
             if text is None:
                 self.km_interrupt()
                 text = self._reply(self.interrupt_grace_s)
                 if text is None:
-                    self.lost = f"your code ran past {self.call_timeout_s:.0f} s and the kernel stopped answering"
+                    self.lost = f"your code ran past {timeout:.0f} s and the kernel stopped answering"
                     raise KernelLost(self.lost)
-                raise KernelLost(f"your code ran past the time limit of {self.call_timeout_s:.0f} s "
-                                 "and was interrupted")
+                raise KernelLost(f"your code ran past the time limit of {timeout:.0f} s and was interrupted")
         except (OSError, ConnectionError) as error:
             self.lost = f"the grading channel to your kernel broke ({error})"
             raise KernelLost(self.lost) from None

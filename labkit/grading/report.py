@@ -89,7 +89,7 @@ class ClassGrader:
         self.expected = expected_names()
         self.fingerprint = integrity.fingerprint()
         self.limits = limits or sandbox.Limits()
-        self.hidden = [integrity.COURSE_ROOT / "solutions", *hidden]
+        self.hidden = list(dict.fromkeys(p.resolve() for p in [integrity.COURSE_ROOT / "solutions", *hidden]))
         self.uids = sandbox.UidPool() if sandbox.mode() == "uid" else None
 
     def plan(self, student: Path) -> tuple[list[tuple[str, Path]], list[LabReport]]:

@@ -126,14 +126,14 @@ def run_cells(kernel: ContainedKernel, client: _LimitedClient, nb, run: Notebook
 def grade_contained(path: Path, lab: str, hidden: list[Path], limits: sandbox.Limits,
                     uids: sandbox.UidPool | None) -> NotebookRun:
     """Run and grade one notebook (already checked to be a regular file within the size limit)."""
-    nb = nbformat.read(path, as_version=4)
-    nbformat.validate(nb)
     run = NotebookRun()
     uid = uids.take() if uids is not None else None
     workdir = Path(tempfile.mkdtemp(prefix="labkit-grade-"))
     kernel = ContainedKernel(workdir, hidden, limits, uid)
     try:
         shutil.copyfile(path, workdir / path.name)
+        nb = nbformat.read(workdir / path.name, as_version=4)  # the copy: what was checked is what runs
+        nbformat.validate(nb)
         sandbox.prepare_workdir(workdir, uid)
         run.outcomes = _run_and_grade(kernel, nb, lab, run)
     finally:
@@ -167,7 +167,7 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun) -> l
     sources = [c.source for c in nb.cells if c.cell_type == "code"]
     _stop(client)  # the cells' client stops listening: what the student prints while graded is not kept
     link = KernelLink(client.km, _blocking_client(client), kernel.workdir / "grading.sock",
-                      kernel.limits.call_s, kernel.uid)
+                      kernel.limits.call_s, kernel.uid, deadline=time.monotonic() + kernel.limits.notebook_s)
     try:
         link.install_agent()
         return [run_exercise(ex, RemoteNamespace(link, sources)) for ex in exercises(lab)]
