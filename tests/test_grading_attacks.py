@@ -119,13 +119,16 @@ def attacked(tmp_path_factory):
     _notebook(klass / "sleeper", "00_setup.ipynb", "import torch", GOOD, "import time\ntime.sleep(1000)",
               "def never_defined():\n    pass")
     _notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
+    if CONTAINED:
+        _tamper(klass)
+    lab00_before = (course / "labkit" / "grading" / "labs" / "lab00.py").read_text()
     started = time.monotonic()
     done, data = _grade(course, klass)
     elapsed = time.monotonic() - started
     survivors = _marked_processes()
     rows = {s["student"]: s for s in data["students"]} if data else {}
     return {"course": course, "done": done, "data": data, "students": rows, "survivors": survivors,
-            "elapsed": elapsed, "report": report}
+            "elapsed": elapsed, "report": report, "lab00_before": lab00_before}
 
 
 def _lab(attacked, student: str, lab: str = "00") -> dict:
@@ -142,8 +145,8 @@ def test_the_class_is_graded_and_a_lab00_only_folder_exits_nonzero(attacked):
     done, data = attacked["done"], attacked["data"]
     assert data is not None, done.stderr[-3000:]
     assert done.returncode == 1, done.stderr[-3000:]
-    assert set(attacked["students"]) == {"patcher", "hooker", "printer", "specialist", "aliaser", "linker",
-                                         "spawner", "sleeper", "crasher"}
+    assert set(attacked["students"]) - {"tamperer", "later"} == {
+        "patcher", "hooker", "printer", "specialist", "aliaser", "linker", "spawner", "sleeper", "crasher"}
     printer = attacked["students"]["printer"]
     all_labs = {row["lab"] for row in printer["labs"] if row["exercises"]}
     assert all_labs == {f"{n:02d}" for n in range(11)}, "every lab the course grades has a row"
@@ -250,25 +253,25 @@ def test_deleting_a_file_outside_the_students_folder_fails(attacked):
     assert (attacked["course"] / "victim.txt").exists()
 
 
-def test_appending_an_always_pass_grader_to_the_course_cannot_help_anyone(tmp_path):
-    course = _course_copy(tmp_path)
-    grader = course / "labkit" / "grading" / "labs" / "lab00.py"
-    before = grader.read_text()
-    klass = tmp_path / "class"
+def _tamper(klass: Path) -> None:
     always_pass = "\\n\\n@exercise('00', 'softmax')\\ndef softmax(ns):\\n    return 'forged'\\n"
     _notebook(klass / "tamperer", "00_setup.ipynb", "import torch", WRONG,
               f"import labkit.grading.labs.lab00 as lab00\nwith open(lab00.__file__, 'a') as f:\n"
               f"    f.write('{always_pass}')")
     _notebook(klass / "later", "00_setup.ipynb", "import torch", WRONG)
-    done, data = _grade(course, klass)
-    if CONTAINED:
-        assert grader.read_text() == before, "the course checkout is not writable to a student's kernel"
-        assert done.returncode == 1 and data is not None
-        assert all(_softmax({"students": {s["student"]: s for s in data["students"]}}, s)["points"] == 0
-                   for s in ("tamperer", "later"))
-    else:
-        assert done.returncode == 2 and data is None
-        assert "course files changed during grading" in done.stderr
+
+
+def test_appending_an_always_pass_grader_to_the_course_cannot_help_anyone(attacked, tmp_path):
+    if CONTAINED:  # the tamperer was one of the class: the write fails, nobody passes
+        grader = attacked["course"] / "labkit" / "grading" / "labs" / "lab00.py"
+        assert grader.read_text() == attacked["lab00_before"], "the course is not writable to a student's kernel"
+        assert _softmax(attacked, "tamperer")["points"] == _softmax(attacked, "later")["points"] == 0
+        return
+    course = _course_copy(tmp_path)  # without a sandbox the write succeeds: the fingerprint stops the run
+    _tamper(tmp_path / "class")
+    done, data = _grade(course, tmp_path / "class")
+    assert done.returncode == 2 and data is None
+    assert "course files changed during grading" in done.stderr
 
 
 # --- one real kernel, graded in-process: the channel, tripwires and write-backs ------------------------

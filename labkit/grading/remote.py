@@ -10,6 +10,7 @@ carry values (the student's answer and the arguments' new contents, written back
 grader, its references and the score stay in this process.
 """
 
+import functools
 import os
 import select
 import socket
@@ -177,7 +178,7 @@ class RemoteObject(Handle):
         encoder = Encoder()
         args, kwargs = encoder.encode(arguments[0]), encoder.encode(arguments[1])
         originals = {encoder.ids[identity(obj)]: obj for obj in encoder.keep}
-        decoder = Decoder(handle=lambda number, type_name: RemoteObject(
+        decoder = Decoder(handle=lambda number, type_name: _remote_type(type_name)(
             self._link, {"handle": number}, type_name), known=originals)
         try:
             answer = self._link.request({**body, **self._target, "args": args, "kwargs": kwargs,
@@ -201,6 +202,13 @@ class RemoteObject(Handle):
                 raise NotImplementedError(message)
             raise RemoteError(type_name, message)
         return result
+
+
+@functools.cache
+def _remote_type(type_name: str) -> type:
+    """A RemoteObject subclass named like the student's type, so `type(got).__name__` reads right."""
+    name = type_name if type_name.isidentifier() else "RemoteObject"
+    return type(name, (RemoteObject,), {"__module__": "student"})
 
 
 class RemoteNamespace:
