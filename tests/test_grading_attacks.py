@@ -9,6 +9,7 @@ checked in-process and against one real kernel.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -95,6 +96,7 @@ def attacked(tmp_path_factory):
               "get_ipython().events.register('post_run_cell', forge)\n"
               "get_ipython().events.register('pre_run_cell', forge)")
     _notebook(klass / "printer", "Copy of 00_setup.ipynb", "import torch", 'print(".", end="")',
+              "for _ in range(40):\n    print('x' * 100_000)",
               GOOD.replace("def softmax(x):\n", "def softmax(x):\n    print('.', end='')\n"))
     (klass / "printer" / "01_text_to_tensors.ipynb").write_text("{ this is not a notebook")
     _notebook(klass / "printer", "my_notes.ipynb", "1 + 1")
@@ -104,7 +106,10 @@ def attacked(tmp_path_factory):
               "def softmax(x):\n    return sm(x, -1)")
     (klass / "linker").mkdir()
     (klass / "linker" / "00_setup.ipynb").symlink_to(course / "solutions" / "00_setup.ipynb")
+    listener = socket.create_server(("127.0.0.1", 0))
     _notebook(klass / "spawner", "00_setup.ipynb", "import torch", GOOD,
+              f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), "
+              "timeout=3).sendall(b'out')\nexcept OSError as error:\n    print('no network:', error)",
               "import os, subprocess, sys\n"
               f"try:\n    os.remove({str(course / 'victim.txt')!r})\nexcept OSError as error:\n"
               "    print('remove failed:', error)\n"
@@ -126,9 +131,16 @@ def attacked(tmp_path_factory):
     done, data = _grade(course, klass)
     elapsed = time.monotonic() - started
     survivors = _marked_processes()
+    listener.setblocking(False)
+    try:
+        listener.accept()
+        reached_network = True
+    except BlockingIOError:
+        reached_network = False
+    listener.close()
     rows = {s["student"]: s for s in data["students"]} if data else {}
     return {"course": course, "done": done, "data": data, "students": rows, "survivors": survivors,
-            "elapsed": elapsed, "report": report, "lab00_before": lab00_before}
+            "elapsed": elapsed, "report": report, "lab00_before": lab00_before, "network": reached_network}
 
 
 def _lab(attacked, student: str, lab: str = "00") -> dict:
@@ -188,6 +200,17 @@ def test_feedback_is_plain_text(attacked):
 
 def test_a_stray_print_neither_crashes_grading_nor_costs_points(attacked):
     assert _softmax(attacked, "printer")["points"] == 1, "`Copy of 00_setup.ipynb` is recognised as lab 00"
+
+
+def test_output_beyond_the_limit_is_dropped_and_said_so(attacked):
+    printer = _lab(attacked, "printer")
+    assert printer["points"] == 1 and "outputs beyond 2048 KiB were dropped" in printer["note"]
+
+
+def test_the_kernel_has_no_network_under_bubblewrap(attacked):
+    if sandbox.mode() != "bwrap":
+        pytest.skip("only bubblewrap cuts the network (README)")
+    assert not attacked["network"]
 
 
 def test_a_malformed_file_is_one_row_with_its_reason(attacked):

@@ -12,6 +12,7 @@ grader, its references and the score stay in this process.
 
 import functools
 import os
+import re
 import select
 import socket
 import struct
@@ -236,5 +237,6 @@ class RemoteNamespace:
 
     def definition_source(self, name: str) -> str:
         """The last cell that defines `name`, from the notebook as read by the trusted side."""
-        defining = [s for s in self.cell_sources if f"def {name}" in s or f"class {name}" in s]
+        definition = re.compile(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(name)}\b", re.MULTILINE)
+        defining = [s for s in self.cell_sources if definition.search(s)]
         return defining[-1] if defining else ""

@@ -129,14 +129,16 @@ class ClassGrader:
         return todo, rows
 
     def grade(self, lab: str, path: Path) -> LabReport:
-        from labkit.grading.session import grade_contained
+        from labkit.grading.session import NotANotebook, grade_contained
 
         started = time.monotonic()
         report = LabReport(lab, path.name)
         try:
             run = grade_contained(path, lab, self.hidden, self.limits, self.uids)
         except Exception as error:  # noqa: BLE001 - one broken file is one row, never the whole run
-            reason = f"not graded: {_not_a_notebook(error)}"
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            reason = f"not graded: {error}" if isinstance(error, NotANotebook) else \
+                f"not graded: grading failed with {type(error).__name__}: {first}"
             report.outcomes = [Outcome(lab, ex.name, 0, ex.points, reason) for ex in self.labs[lab]]
             report.note = reason
         else:
@@ -259,14 +261,6 @@ def _write_atomically(path: Path, text: str) -> None:
 def _honest(outcome: Outcome) -> Outcome:
     points = max(0, min(outcome.points, outcome.max_points))
     return Outcome(outcome.lab, outcome.name, points, outcome.max_points, plain(outcome.message), outcome.missing)
-
-
-def _not_a_notebook(error: Exception) -> str:
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    if type(error).__name__ in ("NotJSONError", "JSONDecodeError", "ValidationError", "UnicodeDecodeError",
-                                "AttributeError", "KeyError", "TypeError"):
-        return f"the file is not a readable notebook ({first[:200]})"
-    return f"{type(error).__name__}: {first[:200]}"
 
 
 def _explain_missing(outcome: Outcome, failed_cells: dict[int, tuple[str, str]],

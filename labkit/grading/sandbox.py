@@ -15,11 +15,13 @@ that detaches itself can outlive grading: grade untrusted work in a container or
 
 import functools
 import os
+import pwd
 import resource
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,14 +119,10 @@ class UidPool:
     """Hands out uids nobody else uses, one per concurrent kernel (uid mode)."""
 
     def __init__(self):
-        import threading
-
         self._lock, self._free = threading.Lock(), []
         self._next = FIRST_UID
 
     def take(self) -> int:
-        import pwd
-
         with self._lock:
             if self._free:
                 return self._free.pop()

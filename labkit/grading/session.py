@@ -29,6 +29,10 @@ from labkit.grading.core import Outcome, exercises, run_exercise
 from labkit.grading.remote import KernelLink, KernelLost, RemoteNamespace, kernel_alive
 
 
+class NotANotebook(ValueError):
+    """The file handed in cannot be read as a Jupyter notebook."""
+
+
 @dataclass
 class NotebookRun:
     """What happened to a notebook's cells, for the report."""
@@ -132,17 +136,23 @@ def grade_contained(path: Path, lab: str, hidden: list[Path], limits: sandbox.Li
     kernel = ContainedKernel(workdir, hidden, limits, uid)
     try:
         shutil.copyfile(path, workdir / path.name)
-        nb = nbformat.read(workdir / path.name, as_version=4)  # the copy: what was checked is what runs
-        nbformat.validate(nb)
+        try:  # the copy: what was checked is what runs
+            nb = nbformat.read(workdir / path.name, as_version=4)
+            nbformat.validate(nb)
+        except Exception as error:  # noqa: BLE001 - nbformat raises many kinds for a broken file
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise NotANotebook(f"the file is not a readable notebook ({first})") from None
         sandbox.prepare_workdir(workdir, uid)
         run.outcomes = _run_and_grade(kernel, nb, lab, run)
     finally:
-        survivors = kernel.kill()
-        if survivors:
-            run.notes.append(f"processes {survivors} survived grading (no OS sandbox here)")
-        if uid is not None:
-            uids.give_back(uid)
-        shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            survivors = kernel.kill()
+            if survivors:
+                run.notes.append(f"processes {survivors} survived grading (no OS sandbox here)")
+        finally:
+            if uid is not None:
+                uids.give_back(uid)
+            shutil.rmtree(workdir, ignore_errors=True)
     return run
 
 
