@@ -444,3 +444,36 @@ def test_the_codec_refuses_what_is_not_on_its_list(node, error):
         loads('{"a": NaN}')
     with pytest.raises(CodecError, match="cannot be sent"):
         Encoder().encode(object())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_a_kernel_takes_its_whole_tree():
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
+                               "subprocess.Popen(['sleep', '1000'])\ntime.sleep(1000)"], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while len(sandbox.descendants(leader.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tree = sandbox.descendants(leader.pid)
+    assert len(tree) == 2
+    assert sandbox.kill_everything(leader.pid, None) == []
+    leader.wait(timeout=10)
+    assert not any(_alive(pid) for pid in tree)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a kernel gets a uid of its own only when grading as root")
+def test_every_process_of_a_kernels_uid_dies_even_detached():
+    uid = sandbox.UidPool().take()
+    detached = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], start_new_session=True,
+                                cwd="/")
+    leader = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], cwd="/")
+    assert sandbox.processes_of_uid(uid)
+    assert sandbox.kill_everything(leader.pid, uid) == []
+    for process in (detached, leader):
+        process.wait(timeout=10)
+    assert not any(_alive(pid) for pid in sandbox.processes_of_uid(uid))

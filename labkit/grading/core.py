@@ -7,6 +7,13 @@ names the likely misconception. The same function serves the notebook's check ce
 feedback, in the notebook's own process) and `make check LABS=...` (the score report, where the
 namespace is a `labkit.grading.remote.RemoteNamespace`: the grader runs in the trusted process and
 each call of the student's function is carried out in the student's kernel).
+
+What a grader passes to the student's code must be what `labkit.grading.codec` carries (numbers,
+strings, bytes, lists, tuples, dicts, OrderedDicts, deques, sets, tensors, dtypes, devices,
+generators, and dataclasses from `labkit.cache.block_manager` or a grader module); the student's
+changes to those arguments are written back in place, so mutation checks read the same either way.
+An exception from the student's code arrives as itself only for NotImplementedError; any other
+is a `RemoteError` whose `type_name` names the student's exception type.
 """
 
 import importlib
