@@ -165,6 +165,7 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun) -> l
         run.notes.append(f"outputs beyond {kernel.limits.output_bytes // 2**10} KiB were dropped")
     if run.stopped is not None and not _kernel_answers(client):
         _stop(client)
+        kernel.kill()  # the stuck kernel goes before its replacement starts
         replay = nbformat.v4.new_notebook(cells=[c for c in nb.cells[:run.stopped[0] - 1]])
         client = kernel.client(replay)
         kernel.start(client)
