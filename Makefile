@@ -23,7 +23,8 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 help:
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
 	@echo "make check               everything CI runs: setup, tests, nbval, drift and grading self-check"
-	@echo "make check LABS=<dir>    grade a student's filled-in notebooks (table + $(REPORT))"
+	@echo "make check LABS=<dir>    grade one student (a folder of notebooks) or a class (a folder of student"
+	@echo "                         folders) in sandboxed kernels: table, $(REPORT) and a CSV next to it"
 	@echo "make notebooks           regenerate notebooks/ from solutions/"
 	@echo "make execute             re-run solutions/ in place (stored outputs), then make notebooks"
 	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"

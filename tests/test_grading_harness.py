@@ -1,13 +1,15 @@
 """Check cells, outcomes and the score report, on a real kernel."""
 
+import csv
 import json
 
 import nbformat
 import pytest
+import torch
 
 from labkit.grading import ExerciseFailed, check
-from labkit.grading.core import get_exercise, run_exercise
-from labkit.grading.report import format_table, grade_folder, write_json
+from labkit.grading.core import exercises, get_exercise, run_exercise
+from labkit.grading.report import all_passed, format_table, grade_folder, plain, write_reports
 from labkit.grading.selfcheck import wiring_problems
 
 
@@ -40,7 +42,8 @@ def test_check_reads_the_callers_globals():
         ({"softmax": 3}, "`softmax` should be a function"),
         ({"softmax": lambda x: (_ for _ in ()).throw(NotImplementedError())}, "not implemented yet"),
         ({"softmax": lambda x: x[99]}, "your code raised IndexError"),
-        ({"softmax": lambda x: x.softmax(-1)}, "torch's softmax is what you are rebuilding"),
+        ({"softmax": lambda x: x.softmax(-1)}, "`torch.Tensor.softmax` is what this exercise asks you to write"),
+        ({"softmax": lambda x: torch.special.softmax(x, -1)}, "`torch.special.softmax` is what this exercise"),
         ({"softmax": lambda x: x.exp() / x.exp().sum(0)}, "the wrong axis"),
     ],
 )
@@ -62,27 +65,42 @@ def _lab00(folder, body):
     nbformat.write(nb, folder / "00_setup.ipynb")
 
 
-def test_report_grades_student_definitions_and_explains_failed_cells(tmp_path):
-    filled, blank, broken = (tmp_path / d for d in ("filled", "blank", "broken"))
-    for folder in (filled, blank, broken):
-        folder.mkdir()
-    _lab00(filled, "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n"
-                   "    return e / e.sum(-1, keepdim=True)")
-    _lab00(blank, "def softmax(x):\n    raise NotImplementedError()")
-    _lab00(broken, "1 / 0\ndef softmax(x):\n    return x")
-    reports = grade_folder(tmp_path / "filled") + grade_folder(blank) + grade_folder(broken)
-    assert [o.passed for r in reports for o in r.outcomes] == [True, False, False]
-    assert "not implemented yet" in reports[1].outcomes[0].message
-    assert reports[2].outcomes[0].message == "`softmax` is not defined: its cell (cell 2) raised ZeroDivisionError"
+def test_report_grades_a_class_and_explains_failed_cells(tmp_path):
+    klass = tmp_path / "class"
+    for student in ("filled", "blank", "broken"):
+        (klass / student).mkdir(parents=True)
+    _lab00(klass / "filled", "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n"
+                             "    return e / e.sum(-1, keepdim=True)")
+    _lab00(klass / "blank", "def softmax(x):\n    raise NotImplementedError()")
+    _lab00(klass / "broken", "1 / 0\ndef softmax(x):\n    return x")
+    reports = grade_folder(klass)
+    lab00 = {r.student: r.outcomes[0] for r in reports if r.lab == "00"}
+    assert [lab00[s].passed for s in ("filled", "blank", "broken")] == [True, False, False]
+    assert "not implemented yet" in lab00["blank"].message
+    assert lab00["broken"].message == "`softmax` is not defined: its cell (cell 2) raised ZeroDivisionError"
+    missing = [r for r in reports if r.missing]
+    assert {r.student for r in missing} == {"filled", "blank", "broken"}
+    assert {r.lab for r in missing} == {ex.lab for ex in exercises()} - {"00"}, "every lab the course has"
+    assert all(o.points == 0 and "no notebook for lab" in o.message for r in missing for o in r.outcomes)
+    assert not all_passed(reports)
     table = format_table(reports)
-    assert "total 1/3" in table
-    write_json(reports, tmp_path / "report.json")
-    data = json.loads((tmp_path / "report.json").read_text())
-    assert (data["points"], data["max_points"]) == (1, 3)
-    assert data["labs"][0]["exercises"][0]["passed"] is True
+    max_points = sum(ex.points for ex in exercises())
+    assert f"filled: total 1/{max_points} (missing labs: 01," in table
+    json_path, csv_path = write_reports(reports, tmp_path / "out" / "grades.json")
+    data = json.loads(json_path.read_text())
+    assert (data["points"], data["max_points"]) == (1, 3 * max_points)
+    filled = next(s for s in data["students"] if s["student"] == "filled")
+    assert filled["labs"][0]["exercises"][0]["passed"] is True and "00" not in filled["missing_labs"]
+    rows = list(csv.DictReader(csv_path.open()))
+    assert {"student", "lab", "exercise", "points", "feedback", "timestamp", "course_commit", "seconds"} <= set(rows[0])
+    assert len(rows) == 3 * len(exercises())
 
 
-def test_a_folder_without_labs_is_an_error(tmp_path):
+def test_plain_strips_escape_sequences_and_control_characters():
+    assert plain("\x1b[31mred\x1b[0m\x1b]0;title\x07 line\r\nnext\x00") == "red line next"
+
+
+def test_a_folder_without_labs_or_students_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no lab notebooks"):
         grade_folder(tmp_path)
 

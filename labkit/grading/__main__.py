@@ -6,6 +6,8 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from labkit.grading.sandbox import Limits
+
     parser = argparse.ArgumentParser(prog="python -m labkit.grading")
     commands = parser.add_subparsers(dest="command", required=True)
     nbs = commands.add_parser("notebooks", help="generate the student notebooks from the solutions")
@@ -16,10 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("paths", type=Path, nargs="+")
     run.add_argument("--refresh", action="store_true",
                      help="also re-record outputs of # NBVAL_IGNORE_OUTPUT cells (timings)")
-    grade = commands.add_parser("grade", help="grade a folder of filled-in notebooks")
+    grade = commands.add_parser("grade", help="grade one student's folder of notebooks, or a folder of students")
     grade.add_argument("folder", type=Path)
-    grade.add_argument("--report", type=Path, default=Path("reports/grades.json"))
+    grade.add_argument("--report", type=Path, default=Path("reports/grades.json"),
+                       help="the JSON report (a CSV is written next to it)")
     grade.add_argument("--jobs", type=int, default=2)
+    grade.add_argument("--cell-timeout", type=float, default=Limits.cell_s, help="seconds per cell")
+    grade.add_argument("--notebook-timeout", type=float, default=Limits.notebook_s,
+                       help="seconds for all cells of a notebook")
+    grade.add_argument("--memory-gb", type=float, default=Limits.memory_bytes / 2**30,
+                       help="address-space limit per kernel process (0: none)")
     self_check = commands.add_parser("selfcheck", help="solutions earn full marks, notebooks zero")
     self_check.add_argument("--solutions", type=Path, default=Path("solutions"))
     self_check.add_argument("--notebooks", type=Path, default=Path("notebooks"))
@@ -47,13 +55,22 @@ def main(argv: list[str] | None = None) -> int:
             execute_in_place(path, refresh_machine_dependent=args.refresh)
         return 0
     if args.command == "grade":
-        from labkit.grading.report import format_table, grade_folder, write_json
+        from labkit.grading.integrity import CourseTampered
+        from labkit.grading.report import all_passed, format_table, grade_folder, write_reports
 
-        reports = grade_folder(args.folder, args.jobs)
+        limits = Limits(cell_s=args.cell_timeout, notebook_s=args.notebook_timeout,
+                        memory_bytes=int(args.memory_gb * 2**30) or None)
+        report = args.report.resolve()
+        report.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            reports = grade_folder(args.folder, args.jobs, hidden=[report.parent], limits=limits)
+        except (CourseTampered, FileNotFoundError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         print(format_table(reports))
-        write_json(reports, args.report)
-        print(f"report written to {args.report}")
-        return 0 if all(o.passed for r in reports for o in r.outcomes) else 1
+        written = write_reports(reports, report)
+        print(f"reports written to {written[0]} and {written[1]}")
+        return 0 if all_passed(reports) else 1
     from labkit.grading.selfcheck import selfcheck
 
     return 0 if selfcheck(args.solutions, args.notebooks, args.jobs) else 1

@@ -4,13 +4,23 @@ Graders live in `labkit.grading.labs.labNN` (outside the notebooks, so students 
 Each takes the namespace of the student's notebook, tests the student's own definitions on fresh
 inputs, and either returns a short success message or raises `ExerciseFailed` with a reason that
 names the likely misconception. The same function serves the notebook's check cells (instant
-feedback) and `make check LABS=...` (the score report).
+feedback, in the notebook's own process) and `make check LABS=...` (the score report, where the
+namespace is a `labkit.grading.remote.RemoteNamespace`: the grader runs in the trusted process and
+each call of the student's function is carried out in the student's kernel).
+
+What a grader passes to the student's code must be what `labkit.grading.codec` carries (numbers,
+strings, bytes, lists, tuples, dicts, OrderedDicts, deques, sets, tensors, dtypes, devices,
+generators, and dataclasses from `labkit.cache.block_manager` or a grader module); the student's
+changes to those arguments are written back in place, so mutation checks read the same either way.
+An exception from the student's code arrives as itself only for NotImplementedError; any other
+is a `RemoteError` whose `type_name` names the student's exception type.
 """
 
 import importlib
 import inspect
 import pkgutil
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 
@@ -55,6 +65,8 @@ class Outcome:
 
 
 _REGISTRY: dict[tuple[str, str], Exercise] = {}
+# The tripwires of the exercise being graded right now (see labkit.grading.forbidden).
+GRADING: ContextVar = ContextVar("labkit_grading", default=None)
 
 
 def exercise(lab: str, name: str, points: int = 1, forbidden: tuple[str, ...] = ()):
@@ -73,16 +85,41 @@ def exercise(lab: str, name: str, points: int = 1, forbidden: tuple[str, ...] = 
     return register
 
 
-def require(namespace: dict, name: str, kind: type | None = None):
-    """The student's definition `name`, or a failure that says how to get it defined."""
+def require(namespace, name: str, kind: type | None = None):
+    """The student's definition `name`, or a failure that says how to get it defined.
+
+    `kind` is None (a function) or `type` (a class). While an exercise is graded, the value comes
+    back guarded: calling what the exercise forbids from inside it fails the exercise.
+    """
     if name not in namespace:
         raise NotDefined(name)
     value = namespace[name]
-    if kind is None and not callable(value):
-        raise ExerciseFailed(f"`{name}` should be a function, but it is a {type(value).__name__}")
-    if kind is not None and not isinstance(value, kind):
-        raise ExerciseFailed(f"`{name}` should be a {kind.__name__}, but it is a {type(value).__name__}")
-    return value
+    describe = getattr(value, "_describe", None)
+    type_name, is_callable, is_class = describe() if describe else (
+        type(value).__name__, callable(value), isinstance(value, type))
+    if kind is None and not is_callable:
+        raise ExerciseFailed(f"`{name}` should be a function, but it is a {type_name}")
+    if kind is type and not is_class:
+        raise ExerciseFailed(f"`{name}` should be a class, but it is a {type_name}")
+    if kind not in (None, type):
+        raise TypeError("require's kind is None (a function) or type (a class)")
+    wires = GRADING.get()
+    if wires is None:
+        return value
+    from labkit.grading.forbidden import ForbiddenCall, explain, guarded, static_violations
+
+    source = namespace.definition_source(name) if describe else _source(value)
+    for path in static_violations(source, name, wires.forbidden):
+        wires.tripped.append(path)
+        raise ForbiddenCall(explain(path))
+    return value if describe else guarded(wires, namespace, value)
+
+
+def _source(value) -> str:
+    try:
+        return inspect.getsource(value)
+    except (OSError, TypeError):
+        return ""
 
 
 def expect_tensor(value, shape, what: str):
@@ -111,11 +148,17 @@ def get_exercise(lab: str, name: str) -> Exercise:
         raise KeyError(f"lab {lab} has no exercise {name!r} (its exercises: {known})") from None
 
 
-def run_exercise(ex: Exercise, namespace: dict) -> Outcome:
+def run_exercise(ex: Exercise, namespace) -> Outcome:
     """Grade one exercise; any failure becomes one readable reason, never a traceback."""
+    from labkit.grading.forbidden import Tripwires, explain
+
+    wires = Tripwires(ex.forbidden)
+    token = GRADING.set(wires)
     try:
         message = ex.grader(namespace) or "correct"
-        return Outcome(ex.lab, ex.name, ex.points, ex.points, message)
+        if not wires.tripped:
+            return Outcome(ex.lab, ex.name, ex.points, ex.points, message)
+        reason = ""
     except NotDefined as failure:
         return Outcome(ex.lab, ex.name, 0, ex.points, str(failure), missing=failure.name)
     except ExerciseFailed as failure:
@@ -124,7 +167,12 @@ def run_exercise(ex: Exercise, namespace: dict) -> Outcome:
         reason = "not implemented yet: replace `raise NotImplementedError()` with your code"
     except Exception as error:  # the student's code crashed inside the grader's call
         first_line = (str(error).strip().splitlines() or [""])[0]
-        reason = f"your code raised {type(error).__name__}: {first_line}".rstrip(": ")
+        name = getattr(error, "type_name", type(error).__name__)  # a RemoteError names the student's type
+        reason = f"your code raised {name}: {first_line}".rstrip(": ")
+    finally:
+        GRADING.reset(token)
+    if wires.tripped:  # even if the student's code caught the tripwire's exception
+        reason = explain(wires.tripped[0])
     return Outcome(ex.lab, ex.name, 0, ex.points, reason)
 
 

@@ -66,24 +66,3 @@ def execute_in_place(path: Path, refresh_machine_dependent: bool = False) -> Non
             if cell.cell_type == "code" and cell.source in kept:
                 cell.outputs = kept[cell.source]
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
-
-
-def run_then_evaluate(path: Path, code: str) -> tuple[nbformat.NotebookNode, str | None]:
-    """Run every cell (an error only costs what depends on it), then `code` in the same kernel.
-
-    Returns the executed notebook and the text `code` printed (None if the kernel died).
-    """
-    nb = nbformat.read(path, as_version=nbformat.NO_CONVERT)
-    client = _client(nb, path.parent, allow_errors=True)
-    probe = nbformat.v4.new_code_cell(code)
-    nb.cells.append(probe)  # nbclient stores each executed cell back into the notebook
-    try:
-        with client.setup_kernel():
-            for index, cell in enumerate(nb.cells):
-                client.execute_cell(cell, index)
-    except Exception:  # a dead kernel or a timeout: the caller reports it per exercise
-        return nb, None
-    finally:
-        nb.cells.pop()
-    printed = "".join(o.get("text", "") for o in probe.outputs if o.get("name") == "stdout")
-    return nb, printed

@@ -1,5 +1,7 @@
 """The course's own grading check: solutions earn full marks, untouched student notebooks zero.
 
+Both are graded exactly as a class is (`labkit.grading.report`: contained kernels, trusted graders).
+
 It also checks the wiring: every grader has a check cell in its lab's notebook and every check
 cell names a grader, so an exercise can't silently go ungraded.
 """
@@ -10,7 +12,7 @@ from pathlib import Path
 import nbformat
 
 from labkit.grading.core import exercises
-from labkit.grading.report import format_table, grade_folder, lab_of
+from labkit.grading.report import format_table, grade_students, lab_of
 
 CHECK_CELL = re.compile(r"""^\s*check\(\s*["'](\d\d)["']\s*,\s*["'](\w+)["']""", re.MULTILINE)
 
@@ -41,8 +43,9 @@ def wiring_problems(solutions: Path) -> list[str]:
 
 def selfcheck(solutions: Path, notebooks: Path, jobs: int = 2) -> bool:
     problems = wiring_problems(solutions)
-    solved = grade_folder(solutions, jobs)
-    blank = grade_folder(notebooks, jobs)
+    graded = grade_students([solutions, notebooks], jobs)
+    solved = [r for r in graded if r.student == solutions.name]
+    blank = [r for r in graded if r.student == notebooks.name]
     for report in solved:
         problems += [f"solutions/{report.notebook}: {o.name} earns {o.points}/{o.max_points}: {o.message}"
                      for o in report.outcomes if not o.passed]
@@ -55,6 +58,9 @@ def selfcheck(solutions: Path, notebooks: Path, jobs: int = 2) -> bool:
     print(f"\ngrading self-check: solutions {sum(r.points for r in solved)}/{total}, "
           f"student notebooks {sum(r.points for r in blank)}/{total}, "
           f"{sum(len(r.outcomes) for r in solved)} exercises in {len(solved)} labs")
+    blank_seconds = {r.lab: r.seconds for r in blank}
+    print("seconds per notebook, solution/student: " + ", ".join(
+        f"{r.lab} {r.seconds:.0f}/{blank_seconds.get(r.lab, 0):.0f}" for r in solved if r.notebook))
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return not problems
