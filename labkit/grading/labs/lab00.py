@@ -4,7 +4,6 @@ import torch
 
 from labkit.grading import ExerciseFailed, exercise, require
 
-
 FORBIDDEN = (
     "torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax", "torch.special.softmax",
     "torch.nn.Softmax", "torch.log_softmax", "torch.Tensor.log_softmax", "torch.nn.functional.log_softmax",
