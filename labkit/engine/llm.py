@@ -10,12 +10,14 @@ incrementally, checks the stop rules and releases what finished.
 """
 
 import itertools
+import numbers
 import sys
 import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from labkit.attention.paged import PagedAttentionBackend
@@ -52,6 +54,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_model_len: int | None = None,
                  attention_backend: str = "auto", enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
+                 long_prefill_token_threshold: int = 0, priority_aging_steps: int | None = 50,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
                  use_cuda_graph: bool = True):
@@ -75,7 +78,7 @@ class LLM:
             max_model_len = min(config.max_position_embeddings, 2048)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
-                            preemption_mode),
+                            preemption_mode, long_prefill_token_threshold, priority_aging_steps),
             self.block_manager, self.storage)
         backend = PagedAttentionBackend(self.storage, attention_backend)
         graphs = None
@@ -87,6 +90,8 @@ class LLM:
         self.metrics = EngineMetrics()
         self._requests: dict[int, Sequence] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._outputs: dict[int, RequestOutput] = {}  # finished, not yet handed to whoever owns them
+        self._claimed: set[int] = set()  # requests a running generate() or stream() collects itself
         self._ids = itertools.count()
 
     # --- requests ----------------------------------------------------------------------------
@@ -97,14 +102,13 @@ class LLM:
             token_ids, text = self.tokenizer.encode(prompt), prompt
             if not token_ids:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            if not prompt:
+        elif _is_token_ids(prompt):
+            token_ids, text = _token_ids(prompt), None
+            if not token_ids:
                 raise ValueError("prompt is an empty list of token ids")
             vocab = self.model.config.vocab_size
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
-            token_ids, text = list(prompt), None
+            if min(token_ids) < 0 or max(token_ids) >= vocab:
+                raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
         else:
             raise TypeError(f"a prompt must be a str (or a list of token ids), got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
@@ -127,38 +131,87 @@ class LLM:
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
-        """Cancel a request: its blocks return to the pool and it finishes with reason ABORTED."""
+        """Cancel a request: its blocks return to the pool and it finishes with reason ABORTED. As in
+        vLLM, `step()` returns no output for it: whoever aborts it knows."""
         seq = self._requests.get(request_id)
         if seq is None:
             raise ValueError(f"no unfinished request with id {request_id!r}")
         self.scheduler.abort(seq)
         self._finalize(seq)
+        if request_id not in self._claimed:
+            del self._outputs[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Whether `step()` has work left: requests to run or to collect, or outputs to hand back."""
+        return (self.scheduler.has_unfinished or bool(self._requests)
+                or any(i not in self._claimed for i in self._outputs))
 
     # --- the engine loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling + forward step. Returns outputs of the requests that finished in it."""
+        """One scheduling + forward step. Returns the outputs of finished requests that were queued
+        with `add_request`, including those that finished during another caller's steps (a
+        `generate` or `stream` call collects its own requests and leaves everyone else's here)."""
+        self._run_step()
+        return [self._outputs.pop(i) for i in list(self._outputs) if i not in self._claimed]
+
+    def _run_step(self) -> None:
+        """Schedule, run, append and release; finished requests' outputs go to `self._outputs`.
+
+        Safe to interrupt anywhere (KeyboardInterrupt, an exception): until the scheduler's
+        postprocess advances a sequence, its step can simply run again, so the sampled tokens are
+        appended one sequence at a time, each append all-or-nothing, and whatever finished but was
+        not released or collected yet is picked up by the next step.
+        """
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        seqs, tokens = self.runner.run(out.seqs, out.num_new_tokens)
-        now = time.perf_counter()
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, token, now)
-        finished = self.scheduler.postprocess(out)
-        self._account(out, len(seqs), time.perf_counter() - start)
-        return [self._finalize(seq) for seq in finished]
+        out = self.scheduler.schedule()  # also releases what an interrupted step left finished
+        if not out.is_empty:
+            sampled = self._run_isolated(out)
+            now = time.perf_counter()
+            for seq, token in sampled.items():
+                self._append(seq, token, now)
+            self.scheduler.postprocess(out)
+            self._account(out, len(sampled), time.perf_counter() - start)
+        for seq in [s for s in self._requests.values() if s.is_finished]:
+            self._finalize(seq)
+
+    def _run_isolated(self, out: SchedulerOutput) -> dict[Sequence, int]:
+        """The runner's next token per sampled sequence. If the batch fails, each sequence runs
+        alone: one whose step fails by itself finishes with reason ERROR (its error as stop_reason)
+        and the others go on; if every one of several fails, the engine is at fault and it raises."""
+        try:
+            return dict(zip(*self.runner.run(out.seqs, out.num_new_tokens), strict=True))
+        except Exception as batch_error:
+            sampled, failures = {}, {}
+            for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+                try:
+                    sampled.update(zip(*self.runner.run([seq], [n]), strict=True))
+                except Exception as error:  # noqa: BLE001 - isolate it; its output carries the message
+                    failures[seq] = error
+            if len(failures) == len(out.seqs) > 1:
+                raise batch_error
+            for seq, error in failures.items():
+                warnings.warn(f"request {seq.seq_id} failed and was finished with reason 'error': "
+                              f"{type(error).__name__}: {error}", stacklevel=3)
+                seq.finish(FinishReason.ERROR, f"{type(error).__name__}: {error}")
+                self.scheduler.abort(seq)  # releases its blocks
+            return sampled
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
+        """Add one sampled token, its text and the stop decision; all or nothing."""
+        detok = self._detok[seq.seq_id]
+        checkpoint = detok.state()
+        try:
+            piece = detok.push(token)
+            text = seq.text + piece
+            state = check_stop(seq.params, seq.output_token_ids + [token], text, len(piece), self.eos_token_id)
+        except BaseException:
+            detok.restore(checkpoint)
+            raise
+        # From here on nothing can fail: plain assignments.
         seq.append_token(token)
+        seq.text = text
         if seq.first_token_time is None:
             seq.first_token_time = now
-        piece = self._detok[seq.seq_id].push(token)
-        seq.text += piece
-        state = check_stop(seq.params, seq.output_token_ids, seq.text, len(piece), self.eos_token_id)
         if state is not None:
             if state.finish_reason == "length":
                 seq.finish(FinishReason.MAX_TOKENS)
@@ -182,15 +235,15 @@ class LLM:
         m.prefix_cache_queried_tokens = self.block_manager.stats.queried_tokens
         m.prefix_cache_hit_tokens = self.block_manager.stats.hit_tokens
 
-    def _finalize(self, seq: Sequence) -> RequestOutput:
-        """The output of a finished request; forgets the request."""
+    def _finalize(self, seq: Sequence) -> None:
+        """Keep the output of a finished request for its owner; forget the request."""
         detok = self._detok.pop(seq.seq_id, None)
         if detok is not None and seq.finish_reason is not FinishReason.STOP:
             seq.text += detok.flush()
-        self._requests.pop(seq.seq_id, None)
         metrics = RequestMetrics.of(seq)
-        self.metrics.finished.append(metrics)
-        return self._output(seq, metrics)
+        self._outputs[seq.seq_id] = self._output(seq, metrics)
+        self._requests.pop(seq.seq_id, None)
+        self.metrics.record(metrics)
 
     @staticmethod
     def _output(seq: Sequence, metrics: RequestMetrics | None = None) -> RequestOutput:
@@ -205,7 +258,8 @@ class LLM:
         Every prompt is checked before any is queued, so one bad prompt leaves the engine untouched.
         `use_tqdm=None` shows a progress bar only when stderr is a terminal (not in notebooks or tests).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or isinstance(prompts, np.ndarray) or (
+                isinstance(prompts, list) and prompts and _is_token_ids(prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a str or a non-empty list of prompts")
@@ -214,28 +268,40 @@ class LLM:
                              "sampling_params")
         priorities = _per_prompt(priority, n, "priority")
         seqs = [self._make_sequence(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities, strict=True)]
+        ids = [seq.seq_id for seq in seqs]
+        self._claimed.update(ids)
         for seq in seqs:
             self._enqueue(seq)
-        outputs: dict[int, RequestOutput] = {}
         bar = _progress(n, use_tqdm)
         try:
-            while len(outputs) < n:
-                for result in self.step():
-                    outputs[result.request_id] = result
-                    bar.update(1)
+            while not all(i in self._outputs for i in ids):
+                done = sum(i in self._outputs for i in ids)
+                self._run_step()
+                bar.update(sum(i in self._outputs for i in ids) - done)
+            return [self._outputs[i] for i in ids]
         finally:
             bar.close()
-            for seq in seqs:  # interrupted (e.g. KeyboardInterrupt): leave nothing queued
-                if seq.seq_id not in outputs and not seq.is_finished:
-                    self.abort(seq.seq_id)
-        by_id = {**{s.seq_id: self._output(s) for s in seqs if s.seq_id not in outputs}, **outputs}
-        return [by_id[s.seq_id] for s in seqs]
+            for i in ids:  # interrupted (e.g. KeyboardInterrupt): leave nothing queued
+                if i in self._requests:
+                    self.abort(i)
+                self._outputs.pop(i, None)
+            self._claimed.difference_update(ids)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not isinstance(conversations, list) or not conversations:
-            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of those")
+        """One conversation (a list of {"role", "content"} dicts) or a batch of them (a list of lists),
+        as vLLM's `LLM.chat` takes them."""
+        if isinstance(messages, dict):
+            raise TypeError("messages is a single message dict; a conversation is a list of messages: "
+                            "wrap it in a list, [{'role': ..., 'content': ...}]")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of messages ({'role': ..., 'content': ...} "
+                            f"dicts), or a list of such lists; got {type(messages).__name__}")
+        conversations = messages if isinstance(messages[0], (list, tuple)) else [messages]
+        for conversation in conversations:
+            if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                           for m in conversation):
+                raise TypeError("each message must be a dict with 'role' and 'content', and each "
+                                f"conversation a non-empty list of them; got {conversation!r}")
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
@@ -245,20 +311,27 @@ class LLM:
         Closing the generator early aborts the request.
         """
         seq = self._make_sequence(prompt, sampling_params or SamplingParams(), priority)
+        self._claimed.add(seq.seq_id)
         self._enqueue(seq)
+        # Text is held back while a stop string might still be forming at its end.
+        hold = max((len(s) - 1 for s in seq.params.stop), default=0)
         sent = 0
         try:
             while not seq.is_finished:
-                self.step()
-                # Text is held back while a stop string might still be forming at its end.
-                hold = max((len(s) - 1 for s in seq.params.stop), default=0) if not seq.is_finished else 0
-                ready = len(seq.text) - hold
+                self._run_step()
+                ready = len(seq.text) if seq.is_finished else len(seq.text) - hold
                 if ready > sent:
                     yield seq.text[sent:ready]
                     sent = ready
+            # Finished during another caller's step (between our yields): the rest of the text.
+            text = self._outputs[seq.seq_id].text
+            if len(text) > sent:
+                yield text[sent:]
         finally:
-            if not seq.is_finished:
+            if seq.seq_id in self._requests:
                 self.abort(seq.seq_id)
+            self._outputs.pop(seq.seq_id, None)
+            self._claimed.discard(seq.seq_id)
 
     def reset_metrics(self) -> None:
         self.metrics = EngineMetrics()
@@ -274,6 +347,24 @@ def _capture_decode_graphs(model, backend, max_num_seqs, max_blocks, max_model_l
     except Exception as error:  # noqa: BLE001 - any capture failure means: run without graphs
         warnings.warn(f"CUDA graph capture failed, decoding without graphs: {error}", stacklevel=3)
         return None
+
+
+def _is_token_ids(prompt) -> bool:
+    """A prompt given as token ids: a list or tuple of integers (numpy's included) or a numpy array.
+    Floats and bools are no token ids; `_token_ids` says so."""
+    if isinstance(prompt, np.ndarray):
+        return True
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, (numbers.Number, np.bool_)) for t in prompt)
+
+
+def _token_ids(prompt) -> list[int]:
+    array = np.asarray(prompt)
+    if array.ndim != 1:
+        raise TypeError(f"a prompt of token ids must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"token ids must be integers, got {array.dtype} values")
+    return [int(t) for t in array]
 
 
 def _per_prompt(value, n: int, name: str) -> list:

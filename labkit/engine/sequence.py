@@ -32,12 +32,13 @@ class SequenceStatus(Enum):
 
 
 class FinishReason(str, Enum):
-    """Seed 004's four reasons. vLLM reports EOS and STOP both as "stop"; labkit keeps them apart."""
+    """Seed 004's four reasons, and ERROR. vLLM reports EOS and STOP both as "stop"; labkit keeps them apart."""
 
     EOS = "eos"  # the model produced an end-of-sequence token
     MAX_TOKENS = "length"  # max_tokens (or max_model_len) reached: vLLM's "length"
     STOP = "stop"  # a stop string or stop token appeared
     ABORTED = "abort"  # cancelled by the caller
+    ERROR = "error"  # its step failed (stop_reason holds the error); the other requests went on
 
     def __str__(self) -> str:
         return self.value
@@ -55,6 +56,7 @@ class Sequence:
         self.params = params
         self.priority = int(priority)
         self.arrival_order = next(Sequence._ids)  # ties in priority go first-come, first-served
+        self.arrival_step = 0  # the scheduler's step count when it was added: its age, for aging
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs: what the KV cache holds
         self.num_prompt_tokens = len(prompt_token_ids)
         self.block_table: list[int] = []
