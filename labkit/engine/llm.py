@@ -269,11 +269,11 @@ class LLM:
         priorities = _per_prompt(priority, n, "priority")
         seqs = [self._make_sequence(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities, strict=True)]
         ids = [seq.seq_id for seq in seqs]
-        self._claimed.update(ids)
-        for seq in seqs:
-            self._enqueue(seq)
         bar = _progress(n, use_tqdm)
         try:
+            self._claimed.update(ids)
+            for seq in seqs:
+                self._enqueue(seq)
             while not all(i in self._outputs for i in ids):
                 done = sum(i in self._outputs for i in ids)
                 self._run_step()
@@ -324,6 +324,8 @@ class LLM:
                     yield seq.text[sent:ready]
                     sent = ready
             # Finished during another caller's step (between our yields): the rest of the text.
+            if seq.seq_id in self._requests:  # that step was interrupted before collecting it
+                self._finalize(seq)
             text = self._outputs[seq.seq_id].text
             if len(text) > sent:
                 yield text[sent:]
