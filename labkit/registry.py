@@ -13,10 +13,20 @@ KNOWN_MODELS = {
 }
 
 
+class ModelFileError(ValueError):
+    """A model file (or folder) that cannot be loaded; the message names the file and the problem."""
+
+
 def resolve_model_path(name_or_path: str | Path) -> Path:
-    """Turn "smollm2", a GGUF file path or a Hugging Face model folder into an existing path."""
+    """Turn a model reference into the one path the loaders read, the same for model and tokenizer:
+
+    "smollm2" (a known name) or a .gguf file -> that file; a Hugging Face folder (it has a
+    config.json) -> the folder; any other folder holding exactly one .gguf file -> that file.
+    """
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"model must be a name or a path, got {type(name_or_path).__name__}")
+    if not str(name_or_path).strip():  # Path("") is ".": it would load whatever the current folder holds
+        raise ValueError("model is empty: give a model name (e.g. 'smollm2'), a .gguf file or a model folder")
     key = str(name_or_path).lower()
     if key in KNOWN_MODELS:
         package, filename = KNOWN_MODELS[key]
@@ -31,6 +41,14 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
             raise FileNotFoundError(f"{package} is installed but {filename} is missing from {path.parent}")
         return path
     path = Path(name_or_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not ggufs:
+            raise FileNotFoundError(f"{path} holds no model: no config.json (a Hugging Face folder) and no .gguf file")
+        if len(ggufs) > 1:
+            raise ModelFileError(f"{path} is a folder with several .gguf files (it has {len(ggufs)}); "
+                                 "pass the file itself")
+        return ggufs[0]
     if path.exists():
         return path
     raise FileNotFoundError(

@@ -35,7 +35,12 @@ def test_valid_edges_are_accepted():
         ({"top_k": -2}, r"top_k must be an integer >= -1"),
         ({"top_k": 2.5}, r"top_k must be an integer >= -1"),
         ({"top_k": True}, r"top_k must be an integer"),
-        ({"repetition_penalty": 0.0}, r"repetition_penalty must be > 0"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"repetition_penalty": 1e-50}, r"repetition_penalty must be in \[0.01, 100\] .*got 1e-50"),
+        ({"repetition_penalty": float("inf")}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"temperature": float("inf")}, r"temperature must be >= 0 and finite .*got inf"),
+        ({"top_k": 10**30}, r"top_k must be an integer >= -1 and <= 2\*\*31 - 1 .*got 10{30}"),
+        ({"top_k": 2**31}, r"top_k must be an integer >= -1 and <= 2\*\*31 - 1"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
         ({"max_tokens": 0}, r"max_tokens must be an integer >= 1"),
@@ -59,3 +64,11 @@ def test_params_are_frozen_so_validation_cannot_be_bypassed():
     params = SamplingParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.temperature = -1.0
+
+
+def test_a_tiny_temperature_is_raised_to_vllms_floor_with_a_warning():
+    with pytest.warns(UserWarning, match="temperature 1e-38 is below 0.01.*using 0.01"):
+        params = SamplingParams(temperature=1e-38)
+    assert params.temperature == 0.01 and not params.greedy
+    assert SamplingParams(temperature=0.01).temperature == 0.01  # the floor itself: no warning, no change
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1

@@ -204,3 +204,143 @@ def test_random_workload_finishes_without_deadlock_or_leak(swap):
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert sum(len(o.preempted) + len(o.swapped_out) for o in trace) > 0  # the cache really was tight
     assert_no_leak(sched)
+
+
+def first_step_scheduled(trace, s):
+    return next(i for i, out in enumerate(trace) if s in out.seqs)
+
+
+@pytest.mark.parametrize("aging", [5, 20])
+def test_aging_bounds_how_long_a_low_priority_request_waits(aging):
+    """One sequence at a time and a new priority-3 request every step: strict priority would never
+    run the priority-0 one. With aging it ranks ahead of every priority-3 request that arrived
+    (3 - 0 + 1) * aging steps or more after it, so it runs within that many steps plus the
+    service time (2 steps each) of the few that arrived before."""
+    sched = make(num_blocks=64, max_num_seqs=1, priority_aging_steps=aging)
+    low = seq(2, max_tokens=1)
+    sched.add(low)
+    trace = []
+    while not low.is_finished:
+        sched.add(seq(2, max_tokens=2, priority=3, first=10))
+        trace.append(fake_step(sched))
+        assert len(trace) <= 2 * (3 + 1) * aging + 2, "the low-priority request starved"
+    assert first_step_scheduled(trace, low) >= 3 * aging  # before that it ranks below every new arrival
+    for s in sched.waiting:
+        sched.abort(s)
+    run_to_end(sched)
+    assert_no_leak(sched)
+
+
+def test_without_aging_priority_is_strict_and_starves():
+    sched = make(num_blocks=64, max_num_seqs=1, priority_aging_steps=None)
+    low = seq(2, max_tokens=1)
+    sched.add(low)
+    for _ in range(300):
+        sched.add(seq(2, max_tokens=2, priority=3, first=10))
+        fake_step(sched)
+    assert low.first_scheduled_time is None
+
+
+def test_a_preempted_request_comes_back_despite_newer_higher_priority_work():
+    # 4 blocks of 4 tokens. lo (priority 0) is preempted by higher-priority work that keeps arriving.
+    sched = make(num_blocks=4, block_size=4, max_model_len=32, priority_aging_steps=8)
+    lo = seq(4, max_tokens=8)
+    sched.add(lo)
+    fake_step(sched)
+    steps = 0
+    while not lo.is_finished:
+        if len(sched.waiting) + len(sched.running) < 4:
+            sched.add(seq(4, max_tokens=8, priority=2, first=50))
+        fake_step(sched)
+        steps += 1
+        assert steps < 400, "the preempted request never came back"
+    assert lo.num_preemptions >= 1 and lo.num_output_tokens == 8
+    for s in sched.waiting + sched.running:
+        sched.abort(s)
+    assert_no_leak(sched)
+
+
+def test_a_long_prompt_leaves_a_token_to_every_decode_and_respects_the_prefill_cap():
+    sched = make(num_blocks=64, max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    decoders = [seq(3, max_tokens=30, first=10 * i + 1) for i in range(3)]
+    for s in decoders:
+        sched.add(s)
+    fake_step(sched)  # their prompts
+    vip = seq(60, max_tokens=2, priority=9, first=200)
+    sched.add(vip)
+    chunks = []
+    while vip.num_output_tokens == 0:
+        out = fake_step(sched)
+        plan = dict(zip(out.seqs, out.num_new_tokens, strict=True))
+        assert all(plan.get(s) == 1 for s in decoders)  # every decode advanced in every step
+        chunks.append(plan[vip])
+    assert max(chunks) == 6 and sum(chunks) == 60
+    run_to_end(sched)
+    assert_no_leak(sched)
+
+
+def test_without_a_cap_a_high_priority_prompt_still_leaves_the_decodes_their_tokens():
+    sched = make(num_blocks=64, max_num_batched_tokens=16)
+    decoders = [seq(3, max_tokens=30, first=10 * i + 1) for i in range(3)]
+    for s in decoders:
+        sched.add(s)
+    fake_step(sched)
+    vip = seq(60, max_tokens=2, priority=9, first=200)
+    sched.add(vip)
+    while vip.num_output_tokens == 0:
+        remaining = vip.num_uncomputed_tokens
+        out = fake_step(sched)
+        plan = dict(zip(out.seqs, out.num_new_tokens, strict=True))
+        assert all(plan.get(s) == 1 for s in decoders) and plan[vip] == min(13, remaining)
+    run_to_end(sched)
+    assert_no_leak(sched)
+
+
+def share_all_blocks(sched, parent, child):
+    """What a copy-on-write fork (n > 1, beam search) leaves: the child lists every block of its parent."""
+    child.block_table = list(parent.block_table)
+    for b in child.block_table:
+        sched.block_manager.blocks[b].ref_count += 1
+    child.num_cached_tokens = parent.num_cached_tokens
+    child.status = SequenceStatus.RUNNING
+    sched.running.append(child)
+
+
+def test_preemption_skips_victims_whose_release_frees_no_block():
+    # 5 blocks of 4 tokens; every prompt fills one block, so each sequence's next token needs a new one.
+    # fork (lowest priority) shares mid's only block: releasing it frees nothing and gives own nothing.
+    sched = make(num_blocks=5, block_size=4, max_model_len=32)
+    hi, mid, own = seq(4, 8, priority=3), seq(4, 8, priority=2, first=20), seq(4, 8, priority=1, first=40)
+    for s in (hi, mid, own):
+        sched.add(s)
+    fake_step(sched)  # hi, mid, own: one block each; two are free
+    fork = Sequence(list(mid.prompt_token_ids), mid.params, priority=0)
+    fork.append_token(mid.output_token_ids[0])
+    share_all_blocks(sched, mid, fork)
+    sched.block_manager.check_invariants(sched.running)
+    out = fake_step(sched)  # hi and mid take the free blocks; own needs one: fork would free nothing
+    assert out.preempted == [own]
+    assert fork in out.seqs and fork.block_table[0] == mid.block_table[0]
+    sched.block_manager.check_invariants(sched.running)
+    run_to_end(sched)
+    assert_no_leak(sched)
+
+
+def test_preempting_the_only_other_holder_of_a_shared_partial_block_spares_its_copy():
+    # 5 blocks of 4 tokens. fork shares both of mid's blocks, the partial one mid writes into next:
+    # mid needs a copy-on-write block, and releasing fork (the lowest) makes the block mid's alone.
+    sched = make(num_blocks=5, block_size=4, max_model_len=32)
+    hi, mid, own = seq(4, 8, priority=3), seq(6, 8, priority=2, first=20), seq(4, 8, priority=1, first=40)
+    for s in (hi, mid, own):
+        sched.add(s)
+    fake_step(sched)  # hi: 1 block, mid: 2, own: 1; one block is free
+    fork = Sequence(list(mid.prompt_token_ids), mid.params, priority=0)
+    fork.append_token(mid.output_token_ids[0])
+    share_all_blocks(sched, mid, fork)
+    mid_table = list(mid.block_table)
+    out = fake_step(sched)  # hi takes the free block; mid's copy-on-write needs one more
+    assert out.preempted[0] is fork  # not own, which ranks above it
+    assert mid in out.seqs and mid.block_table == mid_table  # no copy was needed
+    sched.block_manager.check_invariants(sched.running)
+    run_to_end(sched)
+    assert_no_leak(sched)

@@ -19,8 +19,9 @@ the beams of a beam search start as copies of one sequence, and a fork copies on
 table (every block's ref_count += 1), not the K/V. Full blocks stay shared for good: nobody writes
 into them again. The last block is usually partial, and each child's next token goes into it, so
 `append` applies *copy-on-write*: a sequence about to write into a block that others also hold
-gets a fresh block, the K/V already there is copied into it (`append` returns the (source,
-destination) pairs; the caller copies them before the forward step), and the shared block loses
+gets a fresh block, the K/V already there is copied into it (by `append` itself when given the
+storage, as the scheduler does, before the table changes; else `append` returns the (source,
+destination) pairs for the caller to copy before the forward step), and the shared block loses
 one reference.
 
 Errors: `KVCacheExhausted` when the pool cannot satisfy a request, `ValueError` for calls made in
@@ -207,16 +208,23 @@ class BlockManager:
             return index
         return None
 
+    def shared_write_block(self, seq: SequenceBlocks) -> int | None:
+        """The id of the shared block `seq`'s next token is written into, if any: `append` will copy it."""
+        index = self._shared_write_block(seq)
+        return None if index is None else seq.block_table[index]
+
     def can_append(self, seq: SequenceBlocks) -> bool:
         cow = self._shared_write_block(seq) is not None
         return self._missing_blocks(seq) + cow <= self.num_free_blocks
 
-    def append(self, seq: SequenceBlocks) -> list[tuple[int, int]]:
+    def append(self, seq: SequenceBlocks, storage: BlockStorage | None = None) -> list[tuple[int, int]]:
         """After tokens were appended to `seq`: add blocks for them and cache newly computed full blocks.
 
         Returns the copy-on-write copies to make before the step writes K/V, as (source block,
         destination block) pairs: at most one, when the first token to compute lands in a partial
-        block that a fork shares with other sequences.
+        block that a fork shares with other sequences. Given `storage`, the copy is made here,
+        before the block table changes, so an interrupted copy leaves the sequence as it was;
+        without it the caller copies the pairs.
         """
         missing = self._missing_blocks(seq)
         shared = self._shared_write_block(seq)
@@ -228,10 +236,17 @@ class BlockManager:
         self.cache_computed_blocks(seq)
         copies = []
         if shared is not None:
-            source = seq.block_table[shared]
+            source, destination = seq.block_table[shared], self._take_free_block()
+            if storage is not None:
+                try:
+                    storage.copy_blocks([(source, destination)])
+                except BaseException:
+                    self.blocks[destination].ref_count = 0
+                    self._free_uncached.appendleft(destination)
+                    raise
             self.blocks[source].ref_count -= 1  # still > 0: the other owners keep it
-            seq.block_table[shared] = self._take_free_block()
-            copies.append((source, seq.block_table[shared]))
+            seq.block_table[shared] = destination
+            copies.append((source, destination))
         seq.block_table.extend(self._take_free_block() for _ in range(missing))
         return copies
 

@@ -14,11 +14,13 @@ the stop rules and releases what finished.
 
 import dataclasses
 import itertools
+import numbers
 import sys
 import time
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from labkit.attention.paged import PagedAttentionBackend, resolve_backend
@@ -44,6 +46,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_model_len: int | None = None,
                  attention_backend: str = "auto", enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
+                 long_prefill_token_threshold: int = 0, priority_aging_steps: int | None = 50,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
                  use_cuda_graph: bool = True):
@@ -74,7 +77,7 @@ class LLM:
                                           enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
-                            preemption_mode),
+                            preemption_mode, long_prefill_token_threshold, priority_aging_steps),
             self.block_manager, self.storage)
         backend = PagedAttentionBackend(self.storage, attention_backend)
         graphs = None
@@ -87,6 +90,8 @@ class LLM:
         self.metrics = EngineMetrics()
         self._requests: dict[int, Sequence] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._outputs: dict[int, RequestOutput] = {}  # finished, not yet handed to whoever owns them
+        self._claimed: set[int] = set()  # requests a running generate() or stream() collects itself
         self._ids = itertools.count()
 
     # --- requests ----------------------------------------------------------------------------
@@ -97,14 +102,13 @@ class LLM:
             token_ids, text = self.tokenizer.encode(prompt), prompt
             if not token_ids:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            if not prompt:
+        elif _is_token_ids(prompt):
+            token_ids, text = _token_ids(prompt), None
+            if not token_ids:
                 raise ValueError("prompt is an empty list of token ids")
             vocab = self.model.config.vocab_size
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
-            token_ids, text = list(prompt), None
+            if min(token_ids) < 0 or max(token_ids) >= vocab:
+                raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
         else:
             raise TypeError(f"a prompt must be a str (or a list of token ids), got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
@@ -134,67 +138,142 @@ class LLM:
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
-        """Cancel a request: its blocks return to the pool and it finishes with reason ABORTED."""
+        """Cancel a request: its blocks return to the pool and it finishes with reason ABORTED. As in
+        vLLM, `step()` returns no output for it: whoever aborts it knows."""
         seq = self._requests.get(request_id)
         if seq is None:
             raise ValueError(f"no unfinished request with id {request_id!r}")
         for sample in seq.group:
             self.scheduler.abort(sample)
         self._finalize(seq)
+        if request_id not in self._claimed:
+            del self._outputs[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Whether `step()` has work left: requests to run or to collect, or outputs to hand back."""
+        return (self.scheduler.has_unfinished or bool(self._requests)
+                or any(i not in self._claimed for i in self._outputs))
 
     # --- the engine loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling + forward step. Returns outputs of the requests that finished in it."""
+        """One scheduling + forward step. Returns the outputs of finished requests that were queued
+        with `add_request`, including those that finished during another caller's steps (a
+        `generate` or `stream` call collects its own requests and leaves everyone else's here)."""
+        self._run_step()
+        return [self._outputs.pop(i) for i in list(self._outputs) if i not in self._claimed]
+
+    def _run_step(self) -> None:
+        """Schedule, run, append and release; finished requests' outputs go to `self._outputs`.
+
+        Safe to interrupt anywhere (KeyboardInterrupt, an exception): until the scheduler's
+        postprocess advances a sequence, its step can simply run again, so the sampled tokens are
+        appended one sequence at a time, each append (and each fork of a new sample) all or
+        nothing, and whatever finished but was not released or collected yet is picked up by the
+        next step. A new sample adopted before the interrupt recomputes its share of the step
+        itself (copying the shared partial block); the samples not yet adopted are forked again.
+        """
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        num_batched_tokens = out.num_batched_tokens  # before forked samples join `out`
-        self.storage.copy_blocks(out.blocks_to_copy)  # copy-on-write, before the step writes K/V
-        forward = self.runner.forward(out.seqs, out.num_new_tokens)
+        out = self.scheduler.schedule()  # also releases what an interrupted step left finished
+        if not out.is_empty:
+            num_batched_tokens = out.num_batched_tokens  # before forked samples join `out`
+            draws = self._run_isolated(out)
+            now = time.perf_counter()
+            for draw in draws:
+                if draw.forked_from is not None:
+                    self._adopt(draw.forked_from, draw.seq, out)
+                self._append(draw.seq, draw.token, now, draw.logprobs)
+            self.scheduler.postprocess(out)
+            self._account(out, num_batched_tokens, len(draws), time.perf_counter() - start)
+        for seq in [s for s in self._requests.values() if s.group_finished]:
+            self._finalize(seq)
+
+    def _run_isolated(self, out: SchedulerOutput) -> list["_Draw"]:
+        """The step's draws (see `_draw`). If the batch fails, each scheduled sequence runs alone:
+        a request whose step fails by itself finishes with reason ERROR (its error as stop_reason),
+        all its samples with it, and the others go on; if every one of several fails, the engine is
+        at fault and it raises."""
+        try:
+            return self._draw(out.seqs, out.num_new_tokens)
+        except Exception as batch_error:
+            draws, failures = [], {}
+            for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+                try:
+                    draws += self._draw([seq], [n])
+                except Exception as error:  # noqa: BLE001 - isolate it; its output carries the message
+                    failures[seq] = error
+            if len(failures) == len(out.seqs) > 1:
+                raise batch_error
+            for seq, error in failures.items():
+                self._fail(seq, f"{type(error).__name__}: {error}")
+            return [d for d in draws if not (d.forked_from or d.seq).is_finished]  # not a failed request's
+
+    def _draw(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list["_Draw"]:
+        """Run the model over `seqs` and sample the next token of each that is due one, plus the
+        first token of every new sample a request with n > 1 forks now (from its parent's logits
+        row). New samples come before their parent, so the parent's append commits the fork: an
+        interrupt before it leaves the parent to fork the missing samples again next step.
+
+        Changes nothing but the K/V it computes and prompt logprobs (positions already recorded are
+        skipped), so a failed or interrupted call can simply be repeated."""
+        forward = self.runner.forward(seqs, num_new_tokens)
         for prompt in forward.prompt_logits:
             targets = prompt.seq.prompt_token_ids[prompt.first_target:prompt.first_target + len(prompt.logits)]
             prompt.seq.prompt_logprobs += compute_logprobs(prompt.logits, targets,
                                                            [prompt.seq.params.prompt_logprobs] * len(targets),
                                                            self._decode_token)
-        seqs, rows = [], []
+        samples, parents, rows = [], [], []
         for row, seq in enumerate(forward.sampled_seqs):
-            samples = [seq] + (self._fork_samples(seq, out) if seq.params.n > len(seq.group) else [])
-            seqs += samples
-            rows += [row] * len(samples)
-        if seqs:
-            logits = forward.logits if len(rows) == len(forward.sampled_seqs) else forward.logits[rows]
-            tokens = self.runner.sample(logits, seqs, self.eos_token_id)
-            logprobs = self._sampled_logprobs(logits, seqs, tokens)
-            now = time.perf_counter()
-            for seq, token, position in zip(seqs, tokens, logprobs, strict=True):
-                self._append(seq, token, now, position)
-        finished = self.scheduler.postprocess(out)
-        self._account(out, num_batched_tokens, len(seqs), time.perf_counter() - start)
-        done = {seq.request_id: seq.group[0] for seq in finished if seq.group_finished}
-        return [self._finalize(seq) for seq in done.values()]
+            for sample in self._new_samples(seq) + [seq]:
+                samples.append(sample)
+                parents.append(seq if sample is not seq else None)
+                rows.append(row)
+        if not samples:
+            return []
+        logits = forward.logits if len(rows) == len(forward.sampled_seqs) else forward.logits[rows]
+        tokens = self.runner.sample(logits, samples, self.eos_token_id)
+        logprobs = self._sampled_logprobs(logits, samples, tokens)
+        return [_Draw(*draw) for draw in zip(samples, tokens, logprobs, parents, strict=True)]
 
-    def _fork_samples(self, seq: Sequence, out: SchedulerOutput) -> list[Sequence]:
-        """Sample 0 of a request with n > 1 is about to get its first token: fork the other n - 1.
-
-        They share its KV blocks (the prompt's); each draws its first token from the same logits
-        row. With a seed, sample i uses seed + i (vLLM's rule), so every sample is reproducible
-        and none depends on what else runs in the batch.
-        """
+    def _new_samples(self, seq: Sequence) -> list[Sequence]:
+        """The samples a request with n > 1 still has to fork off `seq`, its sample 0, which is about
+        to get its first token (none otherwise). They are made here but join the request only in
+        `_adopt`. With a seed, sample i uses seed + i (vLLM's rule), so every sample is
+        reproducible and none depends on what else runs in the batch."""
         children = []
-        for index in range(1, seq.params.n):
+        for index in range(len(seq.group), seq.params.n):
             seed = seq.params.seed
             params = seq.params if seed is None else dataclasses.replace(seq.params, seed=_wrap_int64(seed + index))
-            child = seq.fork(next(self._ids), params)
-            self.scheduler.fork(seq, child)
-            out.seqs.append(child)  # computed what its parent computed: postprocess advances it alike
-            out.num_new_tokens.append(out.num_new_tokens[out.seqs.index(seq)])
-            self._detok[child.seq_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
-            children.append(child)
+            children.append(seq.fork(next(self._ids), params, index))
         return children
+
+    def _adopt(self, parent: Sequence, child: Sequence, out: SchedulerOutput) -> None:
+        """Make a new sample part of its request: it shares the parent's KV blocks (the prompt's)
+        and, having computed what its parent computed, is advanced alike by postprocess. All or
+        nothing: an interrupt halfway through undoes it."""
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        num_new_tokens = out.num_new_tokens[out.seqs.index(parent)]
+        try:
+            self.scheduler.fork(parent, child)
+            out.seqs.append(child)
+            out.num_new_tokens.append(num_new_tokens)
+            self._detok[child.seq_id] = detok
+            parent.group.append(child)
+        except BaseException:
+            self.scheduler.abort(child)  # releases the blocks it shares, if it got them
+            self._detok.pop(child.seq_id, None)
+            if child in out.seqs:
+                del out.num_new_tokens[out.seqs.index(child)]
+                out.seqs.remove(child)
+            raise
+
+    def _fail(self, seq: Sequence, reason: str) -> None:
+        """Finish the request `seq` belongs to with reason ERROR (every unfinished sample of it) and
+        release its blocks."""
+        warnings.warn(f"request {seq.request_id} failed and was finished with reason 'error': {reason}", stacklevel=4)
+        for sample in seq.group:
+            if not sample.is_finished:
+                sample.finish(FinishReason.ERROR, reason)
+            self.scheduler.abort(sample)  # releases its blocks
 
     def _sampled_logprobs(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
         """The asked-for logprobs of each sampled token (None where a request did not ask)."""
@@ -211,15 +290,24 @@ class LLM:
         return self.tokenizer.decode([token_id])
 
     def _append(self, seq: Sequence, token: int, now: float, logprobs: dict | None = None) -> None:
+        """Add one sampled token, its logprobs, its text and the stop decision; all or nothing."""
+        detok = self._detok[seq.seq_id]
+        checkpoint = detok.state()
+        try:
+            piece = detok.push(token)
+            text = seq.text + piece
+            state = check_stop(seq.params, seq.output_token_ids + [token], text, len(piece), self.eos_token_id)
+        except BaseException:
+            detok.restore(checkpoint)
+            raise
+        # From here on nothing can fail: plain assignments.
         seq.append_token(token)
+        seq.text = text
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
         if seq.first_token_time is None:
             seq.first_token_time = now
-        piece = self._detok[seq.seq_id].push(token)
-        seq.text += piece
-        state = check_stop(seq.params, seq.output_token_ids, seq.text, len(piece), self.eos_token_id)
         if state is not None:
             if state.finish_reason == "length":
                 seq.finish(FinishReason.MAX_TOKENS)
@@ -244,16 +332,16 @@ class LLM:
         m.prefix_cache_queried_tokens = self.block_manager.stats.queried_tokens
         m.prefix_cache_hit_tokens = self.block_manager.stats.hit_tokens
 
-    def _finalize(self, seq: Sequence) -> RequestOutput:
-        """The output of a finished request (`seq` is its sample 0); forgets the request."""
+    def _finalize(self, seq: Sequence) -> None:
+        """Keep the output of a finished request (`seq` is its sample 0) for its owner; forget the request."""
         for sample in seq.group:
             detok = self._detok.pop(sample.seq_id, None)
             if detok is not None and sample.finish_reason is not FinishReason.STOP:
                 sample.text += detok.flush()
-        self._requests.pop(seq.request_id, None)
         metrics = RequestMetrics.of(seq)
-        self.metrics.finished.append(metrics)
-        return self._output(seq, metrics)
+        self._outputs[seq.request_id] = self._output(seq, metrics)
+        self._requests.pop(seq.request_id, None)
+        self.metrics.record(metrics)
 
     @staticmethod
     def _output(seq: Sequence, metrics: RequestMetrics | None = None) -> RequestOutput:
@@ -271,7 +359,8 @@ class LLM:
         Every prompt is checked before any is queued, so one bad prompt leaves the engine untouched.
         `use_tqdm=None` shows a progress bar only when stderr is a terminal (not in notebooks or tests).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or isinstance(prompts, np.ndarray) or (
+                isinstance(prompts, list) and prompts and _is_token_ids(prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a str or a non-empty list of prompts")
@@ -280,28 +369,40 @@ class LLM:
                              "sampling_params")
         priorities = _per_prompt(priority, n, "priority")
         seqs = [self._make_sequence(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities, strict=True)]
-        for seq in seqs:
-            self._enqueue(seq)
-        outputs: dict[int, RequestOutput] = {}
+        ids = [seq.seq_id for seq in seqs]
         bar = _progress(n, use_tqdm)
         try:
-            while len(outputs) < n:
-                for result in self.step():
-                    outputs[result.request_id] = result
-                    bar.update(1)
+            self._claimed.update(ids)
+            for seq in seqs:
+                self._enqueue(seq)
+            while not all(i in self._outputs for i in ids):
+                done = sum(i in self._outputs for i in ids)
+                self._run_step()
+                bar.update(sum(i in self._outputs for i in ids) - done)
+            return [self._outputs[i] for i in ids]
         finally:
             bar.close()
-            for seq in seqs:  # interrupted (e.g. KeyboardInterrupt): leave nothing queued
-                if seq.seq_id not in outputs and seq.seq_id in self._requests:
-                    self.abort(seq.seq_id)
-        by_id = {**{s.seq_id: self._output(s) for s in seqs if s.seq_id not in outputs}, **outputs}
-        return [by_id[s.seq_id] for s in seqs]
+            for i in ids:  # interrupted (e.g. KeyboardInterrupt): leave nothing queued
+                if i in self._requests:
+                    self.abort(i)
+                self._outputs.pop(i, None)
+            self._claimed.difference_update(ids)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not isinstance(conversations, list) or not conversations:
-            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of those")
+        """One conversation (a list of {"role", "content"} dicts) or a batch of them (a list of lists),
+        as vLLM's `LLM.chat` takes them."""
+        if isinstance(messages, dict):
+            raise TypeError("messages is a single message dict; a conversation is a list of messages: "
+                            "wrap it in a list, [{'role': ..., 'content': ...}]")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of messages ({'role': ..., 'content': ...} "
+                            f"dicts), or a list of such lists; got {type(messages).__name__}")
+        conversations = messages if isinstance(messages[0], (list, tuple)) else [messages]
+        for conversation in conversations:
+            if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                           for m in conversation):
+                raise TypeError("each message must be a dict with 'role' and 'content', and each "
+                                f"conversation a non-empty list of them; got {conversation!r}")
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
@@ -314,20 +415,29 @@ class LLM:
         if seq.params.n != 1:
             raise ValueError(f"stream yields the text of one sample: n must be 1, got {seq.params.n} "
                              "(generate returns all n)")
+        self._claimed.add(seq.seq_id)
         self._enqueue(seq)
+        # Text is held back while a stop string might still be forming at its end.
+        hold = max((len(s) - 1 for s in seq.params.stop), default=0)
         sent = 0
         try:
             while not seq.is_finished:
-                self.step()
-                # Text is held back while a stop string might still be forming at its end.
-                hold = max((len(s) - 1 for s in seq.params.stop), default=0) if not seq.is_finished else 0
-                ready = len(seq.text) - hold
+                self._run_step()
+                ready = len(seq.text) if seq.is_finished else len(seq.text) - hold
                 if ready > sent:
                     yield seq.text[sent:ready]
                     sent = ready
+            # Finished during another caller's step (between our yields): the rest of the text.
+            if seq.seq_id in self._requests:  # that step was interrupted before collecting it
+                self._finalize(seq)
+            text = self._outputs[seq.seq_id].text
+            if len(text) > sent:
+                yield text[sent:]
         finally:
-            if not seq.is_finished:
+            if seq.seq_id in self._requests:
                 self.abort(seq.seq_id)
+            self._outputs.pop(seq.seq_id, None)
+            self._claimed.discard(seq.seq_id)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`, run inside this engine: one BeamSearchOutput per prompt.
@@ -374,9 +484,37 @@ def _capture_decode_graphs(model, backend, sizes, max_blocks, max_model_len):
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Draw:
+    """One sampled token of one step: for `seq`, forked off `forked_from` in this step if not None."""
+
+    seq: Sequence
+    token: int
+    logprobs: dict | None
+    forked_from: Sequence | None
+
+
 def _wrap_int64(value: int) -> int:
     """A derived seed (seed + sample index) kept in the int64 range a seed must lie in."""
     return (value + 2**63) % 2**64 - 2**63
+
+
+def _is_token_ids(prompt) -> bool:
+    """A prompt given as token ids: a list or tuple of integers (numpy's included) or a numpy array.
+    Floats and bools are no token ids; `_token_ids` says so."""
+    if isinstance(prompt, np.ndarray):
+        return True
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, (numbers.Number, np.bool_)) for t in prompt)
+
+
+def _token_ids(prompt) -> list[int]:
+    array = np.asarray(prompt)
+    if array.ndim != 1:
+        raise TypeError(f"a prompt of token ids must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"token ids must be integers, got {array.dtype} values")
+    return [int(t) for t in array]
 
 
 def _per_prompt(value, n: int, name: str) -> list:

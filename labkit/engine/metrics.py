@@ -6,6 +6,7 @@ prefix-cache hit rate, preemptions and swaps.
 - Throughput: generated tokens per second of engine time (time spent inside `step`).
 """
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from labkit.engine.sequence import Sequence
@@ -44,22 +45,51 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+FINISHED_WINDOW = 1000  # the most recent finished requests whose metrics are kept one by one
+
+
+@dataclass
+class _Mean:
+    """A running mean of the values that are not None."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float | None) -> None:
+        if value is not None:
+            self.total += value
+            self.count += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.count if self.count else None
 
 
 @dataclass
 class EngineMetrics:
+    """Counters over the engine's whole life. Per request, only the last FINISHED_WINDOW finished
+    requests are kept (`finished`, for percentiles); the means cover every request, so a
+    long-running engine's memory stays bounded."""
+
     num_steps: int = 0
     num_batched_tokens: int = 0  # tokens the model ran (prefill and decode; prefix-cache hits excluded)
     num_generated_tokens: int = 0
     num_preemptions: int = 0  # by recompute
     num_swaps: int = 0  # swap-outs
     busy_time: float = 0.0  # seconds spent inside step()
-    finished: list[RequestMetrics] = field(default_factory=list)
+    num_finished: int = 0
+    finished: deque[RequestMetrics] = field(default_factory=lambda: deque(maxlen=FINISHED_WINDOW))
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    _ttft: _Mean = field(default_factory=_Mean, repr=False)
+    _tpot: _Mean = field(default_factory=_Mean, repr=False)
+
+    def record(self, request: RequestMetrics) -> None:
+        """Count one finished request."""
+        self.num_finished += 1
+        self.finished.append(request)
+        self._ttft.add(request.ttft)
+        self._tpot.add(request.tpot)
 
     @property
     def throughput(self) -> float:
@@ -73,15 +103,15 @@ class EngineMetrics:
 
     @property
     def mean_ttft(self) -> float | None:
-        return _mean(m.ttft for m in self.finished)
+        return self._ttft.value
 
     @property
     def mean_tpot(self) -> float | None:
-        return _mean(m.tpot for m in self.finished)
+        return self._tpot.value
 
     def summary(self) -> str:
         ms = lambda x: "n/a" if x is None else f"{1000 * x:.1f} ms"  # noqa: E731
-        return (f"{len(self.finished)} requests, {self.num_generated_tokens} tokens generated in "
+        return (f"{self.num_finished} requests, {self.num_generated_tokens} tokens generated in "
                 f"{self.num_steps} steps; throughput {self.throughput:.1f} tok/s; mean TTFT "
                 f"{ms(self.mean_ttft)}, mean TPOT {ms(self.mean_tpot)}; prefix-cache hit rate "
                 f"{self.prefix_cache_hit_rate:.1%}; preemptions {self.num_preemptions}, swaps {self.num_swaps}")

@@ -5,11 +5,15 @@ The scheduler fills it in a fixed order, highest priority first and, within a pr
 first served (the sequence design note):
 
 1. RUNNING sequences: a decode costs one token; a prompt being prefilled in chunks takes what is
-   left of the budget. A decode whose next token needs a new KV block and finds none preempts the
-   lowest-priority running sequence (the last in that order; possibly itself): by *swap* (its
-   blocks are copied to CPU memory and come back later) when `preemption_mode="swap"`, else by
-   *recompute* (its blocks are freed; it re-enters the waiting queue and is prefilled again,
-   generated tokens included).
+   left of the budget after one token for each decode behind it, and at most
+   `long_prefill_token_threshold` tokens when that is set (vLLM's cap). A decode whose next token
+   needs a new KV block (or a copy-on-write copy of a partial block it shares with a sibling
+   sample, made right away by the block manager) and finds none preempts the lowest-priority
+   running sequence whose release helps: one that frees a block, or the only other holder of the
+   shared block it writes into (one whose blocks are all shared frees nothing; if none helps,
+   itself): by *swap* (its blocks are copied to CPU memory and come back later) when
+   `preemption_mode="swap"`, else by *recompute* (its blocks are freed; it re-enters the waiting
+   queue and is prefilled again, generated tokens included).
 2. SWAPPED sequences come back when their blocks fit again, in priority order.
 3. WAITING sequences are admitted while blocks and budget last. A prompt longer than the budget
    that remains is prefilled in chunks over several steps (chunked prefill), so one long prompt
@@ -17,7 +21,11 @@ first served (the sequence design note):
    Admission asks the block manager, which counts prefix-cache hits: cached blocks cost nothing.
 
 No new work is admitted in a step that preempted (it would only be preempted back), and the head
-of a queue is never skipped for a later, smaller request, so a high-priority request cannot starve.
+of a queue is never skipped for a later, smaller request. Priorities age: a request gains one
+level for every `priority_aging_steps` steps since it was added (a preemption does not reset
+that), so a request of priority p ranks ahead of every request of priority q > p that arrived
+(q - p + 1) * priority_aging_steps steps or more after it. Only the finitely many that arrived
+before that can delay it: starvation is bounded.
 Waiting never deadlocks: a request that could not run even in an empty cache is rejected by
 `check_fits` when it is added, so the head of the queue always fits once running work finishes.
 """
@@ -35,12 +43,21 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap": copy a victim's blocks to CPU memory
+    long_prefill_token_threshold: int = 0  # vLLM's: most prompt tokens one request runs per step; 0 = no cap
+    priority_aging_steps: int | None = 50  # +1 effective priority per this many steps waited; None = strict
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(
+                self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 means no cap), "
+                             f"got {self.long_prefill_token_threshold!r}")
+        aging = self.priority_aging_steps
+        if aging is not None and (isinstance(aging, bool) or not isinstance(aging, int) or aging < 1):
+            raise ValueError(f"priority_aging_steps must be a positive integer or None, got {aging!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -59,7 +76,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # by recompute, back to WAITING
     swapped_out: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -68,11 +84,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
-
-def priority_order(seq: Sequence) -> tuple[int, int]:
-    """Sort key: higher priority first, then earlier arrival."""
-    return (-seq.priority, seq.arrival_order)
 
 
 class Scheduler:
@@ -86,6 +97,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.num_steps = 0  # schedule() calls: the clock of priority aging
 
     # --- requests ----------------------------------------------------------------------------
     def max_total_tokens(self, seq: Sequence) -> int:
@@ -111,12 +123,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
         seq.status = SequenceStatus.WAITING
+        seq.arrival_step = self.num_steps
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Cancel a sequence wherever it is, returning its blocks (GPU or CPU) to the pool."""
-        if seq.is_finished:
-            return
+        """Cancel a sequence wherever it is, returning its blocks (GPU or CPU) to the pool. One that
+        already finished (but was not released yet) keeps its finish reason."""
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
@@ -125,7 +137,8 @@ class Scheduler:
             self.block_manager.deallocate(seq)  # drops the CPU copy
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.finish(FinishReason.ABORTED)
+        if not seq.is_finished:
+            seq.finish(FinishReason.ABORTED)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Run `child` (a new sample of a running `parent`) from now on, sharing the parent's KV blocks."""
@@ -141,50 +154,67 @@ class Scheduler:
 
     # --- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        # A step interrupted before its postprocess may have left finished sequences here: release
+        # them now, or they would be scheduled again and get a token past their end.
+        for seq in [s for s in self.running if s.is_finished]:
+            self.abort(seq)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
 
-        # 1. Running sequences, highest priority first; the tail is where victims come from.
-        queue = sorted(self.running, key=priority_order)
+        # 1. Running sequences, highest priority first; the tail is where victims come from. A
+        # sequence leaves `queue` only once it is placed, so an interrupted step loses nobody.
+        queue = sorted(self.running, key=self.order)
         self.running = []
-        while queue:
-            seq = queue.pop(0)
-            if budget == 0:
-                self.running.append(seq)  # stays running, just not in this step
-                continue
-            while not bm.can_append(seq):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                out.blocks_to_copy.extend(bm.append(seq))
-                n = min(seq.num_uncomputed_tokens, budget)
-                self._take(seq, n, out)
-                budget -= n
+        try:
+            while queue:
+                seq = queue[0]
+                if budget == 0:
+                    self.running.append(queue.pop(0))  # stays running, just not in this step
+                    continue
+                while not bm.can_append(seq):
+                    victim = self._victim(queue)
+                    self._preempt(victim, out)
+                    queue.remove(victim)
+                    if victim is seq:
+                        break
+                else:
+                    bm.append(seq, self.kv_storage)  # copy-on-write copies are made here
+                    # A prefill leaves one token of the budget to every decode still to come: a
+                    # long prompt must not stall them.
+                    decodes_after = sum(not s.is_prefill for s in queue[1:]) if seq.is_prefill else 0
+                    n = self._chunk(seq, budget - decodes_after)
+                    queue.pop(0)
+                    if n == 0 and seq.is_prefill:  # the decodes behind it took what was left
+                        self.running.append(seq)
+                        continue
+                    self._take(seq, n, out)
+                    budget -= n
+        finally:
+            self.running.extend(queue)
 
         # 2. and 3.: nothing new enters a step that had to preempt.
         if out.preempted or out.swapped_out:
             return out
-        self.swapped.sort(key=priority_order)
+        self.swapped.sort(key=self.order)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             # Its blocks come back, plus the block its pending token may need.
             if bm.blocks_needed(seq.num_tokens) > bm.num_free_blocks:
                 break
-            self.swapped.pop(0)
             bm.swap_in(seq, self.kv_storage)
-            out.blocks_to_copy.extend(bm.append(seq))
+            bm.append(seq, self.kv_storage)  # copy-on-write copies are made here
             seq.status = SequenceStatus.RUNNING
+            self.swapped.pop(0)
             out.swapped_in.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, budget)
             self._take(seq, n, out)
             budget -= n
 
         if self.swapped:  # the swapped come back before anything new starts
             return out
-        self.waiting.sort(key=priority_order)
+        self.waiting.sort(key=self.order)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             use_prefix_cache = not seq.needs_prompt_logprobs  # every prompt position's logits are wanted
@@ -192,7 +222,6 @@ class Scheduler:
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
-            self.waiting.pop(0)
             bm.allocate(seq, use_prefix_cache)
             # A prompt cached in full still runs its last token: that row gives the next token's logits.
             seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
@@ -200,10 +229,41 @@ class Scheduler:
                 seq.first_scheduled_time = time.perf_counter()
                 seq.num_prefix_cached_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
-            n = min(seq.num_uncomputed_tokens, budget)
+            self.waiting.pop(0)
+            n = self._chunk(seq, budget)
             self._take(seq, n, out)
             budget -= n
         return out
+
+    def order(self, seq: Sequence) -> tuple[int, int]:
+        """Sort key: higher effective priority first, then earlier arrival. The effective priority
+        is the priority plus one for every `priority_aging_steps` steps since the request was added
+        (preemptions do not reset it), so nothing waits forever behind a stream of higher ones."""
+        aging = self.config.priority_aging_steps
+        age_bonus = 0 if aging is None else (self.num_steps - seq.arrival_step) // aging
+        return (-(seq.priority + age_bonus), seq.arrival_order)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of its uncomputed tokens `seq` runs now: what the budget allows, and a prefill
+        at most `long_prefill_token_threshold` (when set) so one long prompt cannot take a step."""
+        n = min(seq.num_uncomputed_tokens, max(budget, 0))
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 and seq.is_prefill else n
+
+    def _victim(self, queue: list[Sequence]) -> Sequence:
+        """The sequence to preempt so that `queue[0]` can grow: the lowest in order whose release
+        helps it, else `queue[0]` itself. A release helps if it frees a block (ref_count 1: a block
+        shared by a fork or the prefix cache frees nothing), or if the victim is the only other
+        holder of the shared block `queue[0]` writes into next (a sibling sample): then that block
+        needs no copy-on-write."""
+        blocks = self.block_manager.blocks
+        write_block = self.block_manager.shared_write_block(queue[0])
+        for seq in reversed(queue[1:]):
+            if any(blocks[b].ref_count == 1 for b in seq.block_table):
+                return seq
+            if write_block is not None and blocks[write_block].ref_count == 2 and write_block in seq.block_table:
+                return seq
+        return queue[0]
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         self.running.append(seq)

@@ -32,12 +32,14 @@ class SequenceStatus(Enum):
 
 
 class FinishReason(str, Enum):
-    """The sequence design note's four reasons. vLLM reports EOS and STOP both as "stop"; labkit keeps them apart."""
+    """The sequence design note's four reasons, and ERROR. vLLM reports EOS and STOP both as "stop"; labkit keeps
+    them apart."""
 
     EOS = "eos"  # the model produced an end-of-sequence token
     MAX_TOKENS = "length"  # max_tokens (or max_model_len) reached: vLLM's "length"
     STOP = "stop"  # a stop string or stop token appeared
     ABORTED = "abort"  # cancelled by the caller
+    ERROR = "error"  # its step failed (stop_reason holds the error); the other requests went on
 
     def __str__(self) -> str:
         return self.value
@@ -55,6 +57,7 @@ class Sequence:
         self.params = params
         self.priority = int(priority)
         self.arrival_order = next(Sequence._ids)  # ties in priority go first-come, first-served
+        self.arrival_step = 0  # the scheduler's step count when it was added: its age, for aging
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs: what the KV cache holds
         self.num_prompt_tokens = len(prompt_token_ids)
         self.block_table: list[int] = []
@@ -122,20 +125,21 @@ class Sequence:
         return all(seq.is_finished for seq in self.group)
 
     # --- transitions -------------------------------------------------------------------------
-    def fork(self, seq_id: int, params: "SamplingParams") -> "Sequence":
-        """A new sample of the same request: same tokens so far, its own params (its seed), next index.
+    def fork(self, seq_id: int, params: "SamplingParams", index: int) -> "Sequence":
+        """Sample `index` of the same request: same tokens so far, its own params (its seed).
 
-        Only the Sequence is made here; the caller shares the KV blocks (BlockManager.fork).
+        Only the Sequence is made here; the engine adds it to `group` (shared by all samples) and
+        shares the KV blocks (BlockManager.fork) once its first token is drawn.
         """
         child = Sequence(self.token_ids, params, self.priority, self.prompt, seq_id)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.arrival_order, child.arrival_time = self.arrival_order, self.arrival_time
+        child.arrival_step = self.arrival_step
         child.first_scheduled_time = self.first_scheduled_time
         child.num_prefix_cached_tokens = self.num_prefix_cached_tokens
         child.status, child.text = self.status, self.text
-        child.request_id, child.index, child.group = self.request_id, len(self.group), self.group
+        child.request_id, child.index, child.group = self.request_id, index, self.group
         child.prompt_logprobs = None
-        self.group.append(child)
         return child
 
     def append_token(self, token_id: int) -> None:

@@ -13,6 +13,7 @@ from labkit.attention.dense import dense_attention
 from labkit.attention.metadata import AttentionBackend, AttentionMetadata
 from labkit.model.config import ModelConfig
 from labkit.model.layers import DecoderLayer, RMSNorm, residual_dtype, rope_cos_sin, rope_inv_freq
+from labkit.registry import ModelFileError
 
 
 class DecoderModel(nn.Module):
@@ -79,7 +80,8 @@ class DecoderModel(nn.Module):
                         source: str = "checkpoint") -> "DecoderModel":
         """Build the model around loaded weights without first filling it with random ones.
 
-        Every expected tensor must be present with its exact shape; a tied LM head may be absent.
+        Every expected tensor must be present with its exact shape and finite values (random bytes
+        in a file decode to NaN weights); a tied LM head may be absent.
         `source` names the file in error messages.
         """
         with torch.device("meta"):
@@ -91,17 +93,19 @@ class DecoderModel(nn.Module):
         missing = sorted(expected.keys() - state_dict.keys())
         unexpected = sorted(state_dict.keys() - expected.keys())
         if missing or unexpected:
-            raise ValueError(
+            raise ModelFileError(
                 f"{source} does not match a {config.architecture} model with this config: "
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
                 f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
             )
         for name, shape in expected.items():
             if tuple(state_dict[name].shape) != shape:
-                raise ValueError(
+                raise ModelFileError(
                     f"{source}: tensor {name} has shape {tuple(state_dict[name].shape)}, "
                     f"but the config implies {shape}"
                 )
+            if state_dict[name].is_floating_point() and not torch.isfinite(state_dict[name]).all():
+                raise ModelFileError(f"{source}: tensor {name} holds NaN or infinite values: the file is corrupted")
         weights = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
         model.load_state_dict(weights, strict=not config.tie_word_embeddings, assign=True)
         if config.tie_word_embeddings:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from labkit.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from labkit.registry import ModelFileError
 
 T = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({
@@ -51,19 +52,39 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
 
 
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+    """The ModelConfig in a GGUF file's metadata, checked against the tensors the file holds."""
+    try:
+        config = _read_config(reader, path)
+    except ModelFileError:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as err:  # random bytes as metadata
+        raise ModelFileError(f"{path.name}: bad GGUF metadata: {type(err).__name__}: {err}") from err
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    layers = {int(name.split(".")[1]) for name in shapes if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if layers != set(range(config.num_layers)):
+        raise ModelFileError(f"{path.name}: metadata says {config.num_layers} layers but the file has tensors for "
+                             f"{len(layers)} (blk.0 to blk.{max(layers, default=-1)})")
+    embedding = shapes.get("token_embd.weight")
+    if embedding != (config.hidden_size, config.vocab_size):
+        raise ModelFileError(f"{path.name}: token_embd.weight has shape {embedding}, but the metadata implies "
+                             f"{(config.hidden_size, config.vocab_size)} (embedding_length, vocab_size)")
+    return config
+
+
+def _read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path.name}: unsupported architecture {arch!r}; "
+        raise ModelFileError(f"{path.name}: unsupported architecture {arch!r}; "
                          f"labkit runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def need(key):
         value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"{path.name}: GGUF metadata lacks {arch}.{key}")
+            raise ModelFileError(f"{path.name}: GGUF metadata lacks {arch}.{key}")
         return value
 
     if f"{arch}.rope.scaling.type" in reader.fields or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{path.name}: rotary scaling in GGUF files (rope_freqs) is not supported; "
+        raise ModelFileError(f"{path.name}: rotary scaling in GGUF files (rope_freqs) is not supported; "
                          "load the Hugging Face folder instead")
     hidden, heads = need("embedding_length"), need("attention.head_count")
     names = {t.name for t in reader.tensors}
@@ -101,38 +122,47 @@ def _labkit_name(gguf_name: str, path: Path) -> str:
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
         return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"{path.name}: unexpected tensor {gguf_name!r}")
+    raise ModelFileError(f"{path.name}: unexpected tensor {gguf_name!r}")
 
 
-def _open(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """A reader over a GGUF file; a file it cannot parse raises ModelFileError naming the file."""
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
         return gguf.GGUFReader(path)
-    except (ValueError, OSError) as err:
-        raise ValueError(f"{path.name} is not a readable GGUF file: {err}") from err
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the parser meets random bytes in many ways (IndexError, numpy...)
+        raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupted?): "
+                             f"{type(err).__name__}: {err}") from err
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
     """Only the architecture numbers of a GGUF file (no weights are dequantized)."""
-    return config_from_gguf(_open(Path(path)), Path(path))
+    return config_from_gguf(open_gguf(path), Path(path))
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the dequantized fp32 weights (labkit names, [out, in] layout) of a GGUF file."""
     path = Path(path)
-    reader = _open(path)
+    reader = open_gguf(path)
     config = config_from_gguf(reader, path)
     state_dict = {}
     for tensor in reader.tensors:
         if tensor.tensor_type not in SUPPORTED_TYPES:
-            raise ValueError(f"{path.name}: tensor {tensor.name} uses quantization type "
+            raise ModelFileError(f"{path.name}: tensor {tensor.name} uses quantization type "
                              f"{tensor.tensor_type.name}, which labkit cannot dequantize "
                              f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})")
         name = _labkit_name(tensor.name, path)
         # GGUF lists dimensions innermost first; numpy wants them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        except ValueError as err:
+            raise ModelFileError(f"{path.name}: tensor {tensor.name}'s data does not fill its shape {shape} "
+                                 f"(truncated or corrupted file): {err}") from err
         weight = torch.from_numpy(np.array(values, dtype=np.float32))
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rotary_rows(weight, config.num_heads)

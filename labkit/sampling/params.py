@@ -6,11 +6,14 @@ trust every value it packs into a tensor and a bad request fails where it was wr
 """
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top entries a request may ask for
+MIN_TEMPERATURE = 1e-2  # vLLM's floor: below it logits / temperature overflow float32 into inf and NaN
+MAX_TOP_K = 2**31 - 1  # any k above the vocabulary keeps every token; the sampler packs k into int32 range
 
 
 def _is_number(value) -> bool:
@@ -25,12 +28,13 @@ def _is_int(value) -> bool:
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and defaults).
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0.
-    top_k: keep the k most likely tokens; 0 or -1 disables.
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0 and finite; a
+        positive value below 0.01 is raised to 0.01 with a warning (vLLM's rule).
+    top_k: keep the k most likely tokens; 0 or -1 disables. At most 2**31 - 1.
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p. In (0, 1].
     min_p: drop tokens less likely than min_p times the most likely token's probability. In [0, 1].
     repetition_penalty: divide positive / multiply negative logits of tokens already in the prompt
-        or output (transformers' and vLLM's rule). > 0; 1 disables.
+        or output (transformers' and vLLM's rule). In [0.01, 100]; 1 disables.
     presence_penalty: subtract this from the logit of every token already generated. In [-2, 2].
     frequency_penalty: subtract this times the token's count so far in the output. In [-2, 2].
     max_tokens: the most tokens to generate. >= 1.
@@ -72,14 +76,20 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        self._check_number("temperature", lambda t: t >= 0, "must be >= 0 (0 means greedy)")
+        self._check_number("temperature", lambda t: 0 <= t < math.inf, "must be >= 0 and finite (0 means greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            warnings.warn(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where logits / temperature "
+                          f"overflow; using {MIN_TEMPERATURE} (temperature=0 is greedy)", stacklevel=3)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         self._check_number("top_p", lambda p: 0 < p <= 1, "must be in (0, 1]")
         self._check_number("min_p", lambda p: 0 <= p <= 1, "must be in [0, 1]")
-        self._check_number("repetition_penalty", lambda p: p > 0, "must be > 0 (1 disables it)")
+        self._check_number("repetition_penalty", lambda p: 0.01 <= p <= 100,
+                           "must be in [0.01, 100] (1 disables it; further out one step degenerates)")
         self._check_number("presence_penalty", lambda p: -2 <= p <= 2, "must be in [-2, 2]")
         self._check_number("frequency_penalty", lambda p: -2 <= p <= 2, "must be in [-2, 2]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer >= -1 and <= 2**31 - 1 (0 or -1 disables it), "
+                             f"got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):

@@ -25,8 +25,6 @@ def load_tokenizer(name_or_path: str | Path = "smollm2") -> Tokenizer:
     if path.suffix == ".json":
         return Tokenizer.load(path)
     if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ValueError(f"{path} is a folder with {len(ggufs)} GGUF files; pass the file itself")
-        path = ggufs[0]
+        raise ValueError(f"{path} is a Hugging Face folder; labkit reads tokenizers from GGUF files and "
+                         "its own .json files")
     return load_gguf_tokenizer(path)

@@ -7,6 +7,8 @@ is only named ("tokenizer.ggml.pre"), so the names we know map to our patterns.
 
 from pathlib import Path
 
+from labkit.registry import ModelFileError
+
 from .tokenizer import Tokenizer
 
 # GGUF pre-tokenizer name -> our pattern name (llama.cpp's table, for the names we support).
@@ -15,9 +17,18 @@ SPECIAL_TOKEN_TYPES = {3, 4}  # control, user-defined
 
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
-    import gguf
+    from labkit.model.gguf_loader import open_gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
+    try:
+        return _tokenizer_from_gguf(reader, path)
+    except ModelFileError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as err:  # random bytes as metadata
+        raise ModelFileError(f"{path}: bad tokenizer metadata: {type(err).__name__}: {err}") from err
+
+
+def _tokenizer_from_gguf(reader, path: str | Path) -> Tokenizer:
 
     def field(name, default=None):
         value = reader.fields.get(name)
@@ -25,10 +36,10 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
 
     model = field("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {model!r} is not byte-level BPE ('gpt2')")
+        raise ModelFileError(f"{path}: tokenizer model {model!r} is not byte-level BPE ('gpt2')")
     pre = field("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_PATTERNS:
-        raise ValueError(f"{path}: unknown pre-tokenizer {pre!r}; known: {sorted(GGUF_PRE_PATTERNS)}")
+        raise ModelFileError(f"{path}: unknown pre-tokenizer {pre!r}; known: {sorted(GGUF_PRE_PATTERNS)}")
     tokens = field("tokenizer.ggml.tokens")
     types = field("tokenizer.ggml.token_type")
     kinds = dict(enumerate(types))

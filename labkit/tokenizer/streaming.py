@@ -27,6 +27,13 @@ class IncrementalDetokenizer:
         data = self.tokenizer.decode_bytes(ids, skip_special_tokens=self.skip_special_tokens)
         return self._utf8.decode(data)
 
+    def state(self) -> tuple[bytes, int]:
+        """A checkpoint of what is held back, for `restore` (the engine undoes an interrupted push)."""
+        return self._utf8.getstate()
+
+    def restore(self, state: tuple[bytes, int]) -> None:
+        self._utf8.setstate(state)
+
     def flush(self) -> str:
         """End of stream: whatever is still held back, an incomplete character as U+FFFD."""
         return self._utf8.decode(b"", final=True)
