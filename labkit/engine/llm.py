@@ -137,6 +137,13 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def request_output(self, request_id: int) -> RequestOutput:
+        """Where an unfinished request stands now (its text so far): what a streaming server sends on."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise ValueError(f"no unfinished request with id {request_id!r}")
+        return self._output(seq)
+
     # --- the engine loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step. Returns outputs of the requests that finished in it."""
