@@ -16,7 +16,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 export OMP_NUM_THREADS ?= 1
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo clean
+.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo serve clean
 
 help:
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
@@ -27,6 +27,7 @@ help:
 	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"
 	@echo "make bench               speed figures against reference libraries"
 	@echo "make demo                SmolLM2 answers a few questions through the engine, with its metrics"
+	@echo "make serve               an OpenAI-compatible server on 127.0.0.1:8000 (SERVE_ARGS=... for options)"
 
 setup: $(STAMP)
 
@@ -74,6 +75,9 @@ bench: setup
 
 demo: setup
 	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m labkit.engine
+
+serve: setup
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/labkit serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache .ruff_cache .hypothesis

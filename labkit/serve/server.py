@@ -78,17 +78,27 @@ class ServerProcess:
     the child (SIGTERM, then SIGKILL) so no process or port is left behind.
     """
 
-    def __init__(self, *args: str, timeout: float = 120):
+    def __init__(self, *args: str, timeout: float = 300):
         self.args, self.timeout = [str(a) for a in args], timeout
+        self.process = self.url = self._drain = None
 
     def __enter__(self) -> "ServerProcess":
+        return self.start().wait()
+
+    def start(self) -> "ServerProcess":
+        """Launch the child and return at once (it loads the model meanwhile); `wait` for it later."""
         command = [sys.executable, "-m", "labkit", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            self.url = self._wait_ready()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        return self
+
+    def wait(self) -> "ServerProcess":
+        """Block until the child answers /health (stopping it if it never does)."""
+        if self.url is None:
+            try:
+                self.url = self._wait_ready()
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _wait_ready(self) -> str:
@@ -101,10 +111,13 @@ class ServerProcess:
                 break
         else:
             raise RuntimeError("labkit serve exited before it was ready:\n" + "".join(lines[-20:]))
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # keep the pipe drained
+        # Keep the pipe drained, or a chatty child would block on a full pipe.
+        self._drain = threading.Thread(target=self.process.stdout.read, daemon=True)
+        self._drain.start()
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never via a proxy
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                with direct.open(url + "/health", timeout=5) as response:
                     if response.status == 200:
                         return url
             except OSError:
@@ -112,6 +125,9 @@ class ServerProcess:
         raise RuntimeError(f"labkit serve at {url} did not answer /health within {self.timeout:.0f} s")
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -119,6 +135,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._drain is not None:
+            self._drain.join(timeout=10)  # the child is gone, so its pipe is at its end
         self.process.stdout.close()
 
 
