@@ -6,6 +6,7 @@ started the server learns the real address without racing anyone for a port.
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -87,7 +88,8 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         """Launch the child and return at once (it loads the model meanwhile); `wait` for it later."""
-        command = [sys.executable, "-m", "labkit", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
+        command = [sys.executable, "-m", "labkit", "serve", "--host", "127.0.0.1", "--port", "0",
+                   "--exit-with-parent", str(os.getpid()), *self.args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         return self
 
@@ -159,11 +161,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                    help="requests queued beyond this get 503")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--exit-with-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
     return p
+
+
+def _exit_with_parent(pid: int) -> None:
+    """Stop (as on Ctrl-C) once process `pid` is gone: a notebook kernel that dies leaves no server behind."""
+    def watch():
+        while os.getppid() == pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    if args.exit_with_parent:
+        _exit_with_parent(args.exit_with_parent)
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
