@@ -8,8 +8,11 @@ Every server binds 127.0.0.1 on a free port in a thread of this process and is s
 import asyncio
 import contextlib
 import json
+import os
 import random
 import socket
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -17,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import MODEL_NAME, assert_engine_idle, server_threads, tiny_llm, wait_until
 
+from labkit.__main__ import main as labkit_main
 from labkit.sampling import SamplingParams
 from labkit.serve.app import create_app
 from labkit.serve.protocol import Limits
@@ -371,3 +375,40 @@ def tiny_server():
     llm = tiny_llm()
     with no_leaked_threads(), serve(llm) as server:
         yield server, llm
+
+
+def test_a_server_process_exits_when_the_process_that_started_it_dies():
+    """`ServerProcess` passes --exit-with-parent: a crashed notebook kernel leaves no server behind."""
+    child = ("import os, time; from labkit.serve.server import _exit_with_parent; "
+             "_exit_with_parent(os.getppid()); print(os.getpid(), flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: not _alive(orphan), timeout=30, what="the orphaned server to exit")
+    finally:
+        parent.kill()
+        parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(FileNotFoundError):  # a zombie has exited: only its exit status is left
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    return True
+
+
+def test_the_labkit_command_names_its_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        labkit_main(["frobnicate"])
+    assert exit_.value.code == 2 and "labkit serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        labkit_main(["serve", "--help"])
+    assert exit_.value.code == 0 and "--batching {continuous,static}" in capsys.readouterr().out
