@@ -175,6 +175,8 @@ def test_malformed_bodies_wrong_models_and_the_openai_clients_view_of_errors(tin
     assert_error(post(server, "/v1/completions", b'["Hi"]'), 400, None, "JSON object")
     error = assert_error(post(server, "/v1/completions", b'{"model": "gpt-4", "prompt": "Hi"}'), 404, "model")
     assert error["code"] == "model_not_found"
+    assert_error(post(server, "/v1/embeddings", b"{}"), 404, None, "/v1/embeddings", "Not Found")
+    assert_error(httpx.get(server.url + "/v1/completions", trust_env=False), 405, None, "GET")
     # Content parts of type text are read; "developer" is OpenAI's newer name for "system".
     parts = {"messages": [{"role": "developer", "content": "Be brief."},
                           {"role": "user", "content": [{"type": "text", "text": "What is a KV cache?"}]}],

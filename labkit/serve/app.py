@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import anyio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -47,9 +48,15 @@ def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limit
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.engine = engine
     return app
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """An unknown path or method, answered in OpenAI's error shape like every other refusal."""
+    return error_response(RequestError(f"{request.method} {request.url.path}: {error.detail}", None,
+                                       status=error.status_code))
 
 
 def error_response(error: RequestError) -> JSONResponse:

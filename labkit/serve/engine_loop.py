@@ -9,7 +9,8 @@
 
 Each HTTP request submits its prompt and then reads `Delta`s from a queue of its own, keyed by the
 server's request id, on the event loop's side. A handler that goes away (client disconnected)
-calls `abort`, and the next pass through the loop frees the request's blocks.
+closes its `generate` iterator, which sends an abort; the next pass through the loop frees the
+request's blocks.
 
 `batching="static"` is the baseline continuous batching is measured against: new requests wait
 until the whole running batch has drained, then up to `max_num_seqs` of them start together.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.engine import LLM, RequestOutput
+from labkit.engine import LLM, FinishReason, RequestOutput
 from labkit.serve.metrics import ServerMetrics
 
 BATCHING_MODES = ("continuous", "static")
@@ -219,7 +220,7 @@ class EngineLoop:
 
     def _finish(self, request_id: str, request: _Request, out: RequestOutput) -> Delta:
         del self._requests[request_id], self._by_engine_id[out.request_id]
-        reason = "length" if out.finish_reason.value == "length" else "stop"
+        reason = "length" if out.finish_reason is FinishReason.MAX_TOKENS else "stop"  # OpenAI has no "eos"
         self.metrics.finished(request.submitted_at, reason, out.metrics)  # before the client can hear of it
         return Delta(out.text[request.sent:], reason, len(out.prompt_token_ids), len(out.token_ids))
 
