@@ -19,6 +19,7 @@ seed, so every rate and both batching modes see the same requests; only the pace
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -176,17 +177,21 @@ def run_load(url: str, workload: Workload, rate: float, *, model: str | None = N
 
 def sweep(workload: Workload, rates, batching_modes=("continuous", "static"), server_args=(),
           warmup: int = 2) -> list[LoadReport]:
-    """Start a server for each batching mode and measure it at every rate."""
+    """Start a server per batching mode (all at once) and measure each at every rate.
+
+    The modes take turns at each rate rather than one after the other, so a machine whose load
+    drifts during the sweep (a shared CPU) tilts both modes' figures alike.
+    """
     from labkit.serve.server import ServerProcess
 
-    reports = []
-    for batching in batching_modes:
-        with ServerProcess("--batching", batching, *server_args) as server:
+    with contextlib.ExitStack() as stack:
+        servers = {mode: stack.enter_context(ServerProcess("--batching", mode, *server_args).start())
+                   for mode in batching_modes}
+        for server in servers.values():
+            server.wait()
             if warmup:  # the first forward passes are slower (allocation, caches); keep them out
                 run_load(server.url, Workload(warmup, workload.prompt_len, (2, 2), seed=99), 100.0)
-            for rate in rates:
-                reports.append(run_load(server.url, workload, rate, batching=batching))
-    return reports
+        return [run_load(servers[mode].url, workload, rate, batching=mode) for rate in rates for mode in servers]
 
 
 def main(argv=None) -> None:
