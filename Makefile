@@ -18,7 +18,7 @@ test drift selfcheck grade execute: export OMP_NUM_THREADS ?= 1
 # Jupyter refuses to start as root (containers, some cloud machines) unless told it is meant.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
-.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo gpu-check clean
+.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo gpu-check serve clean
 
 help:
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
@@ -32,6 +32,7 @@ help:
 	@echo "make demo                SmolLM2 answers a few questions through the engine, with its metrics"
 	@echo "make gpu-check           on a CUDA machine, with its own torch: kernels, parity, notebooks, speed"
 	@echo "                         -> reports/gpu/<date>-<gpu>.md (GPU_PYTHON=python3, GPU_CHECK_ARGS=--dry-run)"
+	@echo "make serve               an OpenAI-compatible server on 127.0.0.1:8000 (SERVE_ARGS=... for options)"
 
 setup: $(STAMP)
 
@@ -84,6 +85,8 @@ demo: setup
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+serve: setup
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/labkit serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPORT) .pytest_cache .ruff_cache .hypothesis

@@ -154,6 +154,13 @@ class LLM:
         return (self.scheduler.has_unfinished or bool(self._requests)
                 or any(i not in self._claimed for i in self._outputs))
 
+    def request_output(self, request_id: int) -> RequestOutput:
+        """Where an unfinished request stands now (its text so far): what a streaming server sends on."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise ValueError(f"no unfinished request with id {request_id!r}")
+        return self._output(seq)
+
     # --- the engine loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step. Returns the outputs of finished requests that were queued

@@ -1,0 +1,285 @@
+"""The HTTP side: OpenAI's routes on Starlette, in front of one `EngineLoop`.
+
+    POST /v1/completions, /v1/chat/completions   JSON answers, or server-sent events with "stream": true
+    GET  /v1/models, /health, /metrics
+
+A body is refused before it is read whole when it is larger than the limit (by its Content-Length,
+or while reading a chunked one), and a prompt before it is tokenized when its UTF-8 size alone
+proves it longer than the token limit (no token is longer than the vocabulary's longest).
+"""
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import replace
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from labkit.engine import LLM
+from labkit.serve.engine_loop import EngineLoop, EngineStopped, QueueFull
+from labkit.serve.metrics import CONTENT_TYPE
+from labkit.serve.protocol import Limits, RequestError, parse_chat, parse_completion
+
+
+def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limits: Limits | None = None) -> Starlette:
+    """The app serving `llm` under `model_name`; its lifespan starts and stops the engine loop."""
+    limits = limits or Limits()
+    engine = EngineLoop(llm, batching=batching, max_waiting=limits.max_waiting)
+    server = _Server(llm, engine, model_name, limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.engine = engine
+    return app
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """An unknown path or method, answered in OpenAI's error shape like every other refusal."""
+    return error_response(RequestError(f"{request.method} {request.url.path}: {error.detail}", None,
+                                       status=error.status_code))
+
+
+def error_response(error: RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class _Server:
+    def __init__(self, llm: LLM, engine: EngineLoop, model_name: str, limits: Limits):
+        self.llm, self.engine, self.model_name, self.limits = llm, engine, model_name, limits
+        self.max_model_len = llm.scheduler.config.max_model_len
+        self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
+        self.longest_token_bytes = max(len(token) for token in llm.tokenizer.vocab)
+        self.created = int(time.time())
+
+    # --- routes --------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "labkit",
+            "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            parsed = parse_completion(await self._read_json(request), self.model_name)
+            prompt = parsed.prompt
+            if isinstance(prompt, str):
+                ids = await self._tokenize(prompt, "prompt")
+            else:
+                vocab = self.llm.model.config.vocab_size
+                if min(prompt) < 0 or max(prompt) >= vocab:
+                    raise RequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+                ids = self._check_length(prompt, "prompt")
+            params = self._fill_max_tokens(parsed.params, parsed.max_tokens_given, len(ids))
+        except RequestError as error:
+            return error_response(error)
+        echo = ""
+        if parsed.echo:
+            echo = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)
+        answer = _Answer("cmpl", "text_completion", self.model_name, parsed.include_usage,
+                         lambda text, final: {"text": text, "logprobs": None})
+        return await self._respond(request, answer, ids, params, parsed.stream, echo)
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            parsed = parse_chat(await self._read_json(request), self.model_name)
+            try:
+                text = self.llm.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
+            except ValueError as error:  # e.g. the template refuses an order of roles
+                raise RequestError(f"messages: {error}", "messages") from None
+            ids = await self._tokenize(text, "messages")
+            params = self._fill_max_tokens(parsed.params, parsed.max_tokens_given, len(ids))
+        except RequestError as error:
+            return error_response(error)
+        answer = _Answer("chatcmpl", "chat.completion", self.model_name, parsed.include_usage, _chat_choice)
+        return await self._respond(request, answer, ids, params, parsed.stream)
+
+    # --- checks ----------------------------------------------------------------------------------
+    async def _read_json(self, request: Request) -> dict:
+        limit = self.limits.max_body_bytes
+        too_large = RequestError(f"request body is larger than the server's limit of {limit} bytes", None,
+                                 status=413, code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise too_large
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            raise RequestError("the client went away while sending its body", None) from None
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise RequestError(f"request body is not valid JSON: {error}", None) from None
+        if not isinstance(data, dict):
+            raise RequestError("request body must be a JSON object", None)
+        return data
+
+    async def _tokenize(self, text: str, param: str) -> list[int]:
+        # No token is longer than the longest in the vocabulary, so this size alone proves it too long.
+        if len(text.encode("utf-8")) > self.max_prompt_tokens * self.longest_token_bytes:
+            raise self._too_long(None, param)
+        ids = await anyio.to_thread.run_sync(self.llm.tokenizer.encode, text)
+        if not ids:
+            raise RequestError(f"{param} encodes to no tokens", param)
+        return self._check_length(ids, param)
+
+    def _check_length(self, ids: list[int], param: str) -> list[int]:
+        if len(ids) > self.max_prompt_tokens:
+            raise self._too_long(len(ids), param)
+        return ids
+
+    def _too_long(self, count: int | None, param: str) -> RequestError:
+        size = "is" if count is None else f"has {count} tokens,"
+        return RequestError(f"{param} {size} longer than this server's limit of {self.max_prompt_tokens} "
+                            "prompt tokens", param, code="context_length_exceeded")
+
+    def _fill_max_tokens(self, params, given: bool, num_prompt_tokens: int):
+        """Without max_tokens a request may fill the context; with it, it must fit there."""
+        room = self.max_model_len - num_prompt_tokens
+        if not given:
+            return replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise RequestError(f"max_tokens is {params.max_tokens} but the prompt's {num_prompt_tokens} tokens "
+                               f"leave room for {room} in this model's context of {self.max_model_len}",
+                               "max_tokens", code="context_length_exceeded")
+        return params
+
+    # --- answering -------------------------------------------------------------------------------
+    async def _respond(self, request: Request, answer: "_Answer", ids: list[int], params, stream: bool,
+                       prefix: str = "") -> Response:
+        deltas = self.engine.generate(answer.id, ids, params, stream)
+        if not stream:
+            return await _unless_disconnected(request, self._whole(answer, deltas, prefix))
+        first = await _first_delta(deltas)
+        if isinstance(first, Response):
+            return first
+        return StreamingResponse(answer.events(first, deltas, prefix), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _whole(self, answer: "_Answer", deltas, prefix: str) -> Response:
+        first = await _first_delta(deltas)
+        return first if isinstance(first, Response) else await answer.collect(first, deltas, prefix)
+
+
+async def _first_delta(deltas):
+    """The request's first delta, or the error response if it was not admitted: said while a status
+    can still be sent."""
+    try:
+        return await anext(deltas)
+    except QueueFull as error:
+        return error_response(RequestError(f"server is busy: {error}", None, status=503, type="server_busy",
+                                           code="queue_full"))
+    except EngineStopped as error:
+        return error_response(RequestError(str(error), None, status=503, type="server_error"))
+    except ValueError as error:  # the engine refused it (e.g. it could never fit in the KV cache)
+        return error_response(RequestError(str(error), "max_tokens"))
+
+
+class _Answer:
+    """One response's ids and shape, in both its forms: one JSON object, or a stream of chunks."""
+
+    def __init__(self, prefix: str, kind: str, model: str, include_usage: bool, choice):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.kind, self.model, self.include_usage, self.choice = kind, model, include_usage, choice
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    async def collect(self, first, deltas, prefix: str) -> JSONResponse:
+        pieces, delta = [prefix, first.text], first
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                pieces.append(delta.text)
+        choice = {"index": 0, **self.choice("".join(pieces), True), "finish_reason": delta.finish_reason}
+        return JSONResponse(self._envelope(self.kind, [choice], usage=_usage(delta)))
+
+    async def events(self, first, deltas, prefix: str):
+        """Server-sent events; leaving early (the client went away) closes `deltas`, which aborts the request."""
+        chunk_kind = self.kind + ".chunk" if self.kind == "chat.completion" else self.kind
+        async with contextlib.aclosing(deltas):
+            if self.kind == "chat.completion":  # OpenAI's first chat chunk names the role
+                yield _event(self._envelope(chunk_kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}]))
+            delta, pending = first, prefix + first.text
+            while True:
+                if pending or delta.finish_reason is not None:
+                    choice = {"index": 0, **self.choice(pending, False), "finish_reason": delta.finish_reason}
+                    extra = {"usage": None} if self.include_usage else {}
+                    yield _event(self._envelope(chunk_kind, [choice], **extra))
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(deltas)
+                pending = delta.text
+        if self.include_usage:
+            yield _event(self._envelope(chunk_kind, [], usage=_usage(delta)))
+        yield "data: [DONE]\n\n"
+
+
+def _chat_choice(text: str, final: bool) -> dict:
+    if final:
+        return {"message": {"role": "assistant", "content": text}, "logprobs": None}
+    return {"delta": {"content": text} if text else {}, "logprobs": None}
+
+
+def _usage(delta) -> dict:
+    return {"prompt_tokens": delta.num_prompt_tokens, "completion_tokens": delta.num_output_tokens,
+            "total_tokens": delta.num_prompt_tokens + delta.num_output_tokens}
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(request: Request, answering) -> Response:
+    """Await a whole answer, but give up (aborting the request) if the client disconnects first."""
+    async def client_gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async with anyio.create_task_group() as group:
+        result: list[Response] = []
+
+        async def answer():
+            result.append(await answering)
+            group.cancel_scope.cancel()
+
+        async def watch():
+            await client_gone()
+            group.cancel_scope.cancel()
+
+        group.start_soon(answer)
+        group.start_soon(watch)
+    return result[0] if result else Response(status_code=499)

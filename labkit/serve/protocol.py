@@ -1,0 +1,218 @@
+"""OpenAI's request bodies, checked and turned into what the engine understands.
+
+Every field of a request body is looked up in one of four tables below, so the server's contract
+reads in one place and growing it (when the engine learns `n > 1` or logprobs) is a one-line move
+from `UNSUPPORTED` to `SAMPLING_FIELDS`:
+
+- `SAMPLING_FIELDS`: passed on to `SamplingParams` (which validates them; its message names the field).
+- `REQUEST_FIELDS`: read by the server itself (the prompt, `stream`, `echo`, ...).
+- `IGNORED`: bookkeeping fields OpenAI accepts that change nothing about the tokens (`user`, ...).
+- `UNSUPPORTED`: fields labkit cannot honour; accepted only at their "off" value, refused otherwise
+  rather than silently ignored, so a client never believes it got something it did not.
+
+Anything else is refused as OpenAI does: "Unrecognized request argument supplied: <name>".
+"""
+
+from dataclasses import dataclass
+
+from labkit.sampling import SamplingParams
+
+
+class RequestError(Exception):
+    """A request the server refuses; rendered as OpenAI's error JSON with its HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# OpenAI name -> SamplingParams name. top_k, min_p, repetition_penalty, ignore_eos and stop_token_ids
+# are not OpenAI's but vLLM's extra fields (the openai client sends them through `extra_body`).
+SAMPLING_FIELDS = {
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty", "seed": "seed",
+    "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+}
+COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "echo"}
+CHAT_FIELDS = {"model", "messages", "stream", "stream_options"}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+           "safety_identifier"}
+# field -> (its "off" values, why it is refused otherwise)
+UNSUPPORTED = {
+    "n": ((None, 1), "labkit's engine generates one completion per request; send n=1 or leave it out"),
+    "best_of": ((None, 1), "labkit's engine generates one completion per request; best_of must be 1"),
+    "logprobs": ((None, False, 0), "labkit's server does not return logprobs yet"),
+    "top_logprobs": ((None, 0), "labkit's server does not return logprobs yet"),
+    "logit_bias": ((None, {}), "labkit's engine has no logit_bias"),
+    "suffix": ((None, ""), "labkit's engine does not insert text (no suffix)"),
+    "tools": ((None, []), "labkit's server has no tool calling"),
+    "tool_choice": ((None, "none"), "labkit's server has no tool calling"),
+    "functions": ((None, []), "labkit's server has no function calling"),
+    "function_call": ((None, "none"), "labkit's server has no function calling"),
+    "response_format": ((None, {"type": "text"}), "labkit's engine cannot constrain output to a format"),
+    "modalities": ((None, ["text"]), "labkit's model produces text only"),
+    "audio": ((None,), "labkit's model produces text only"),
+    "prediction": ((None,), "labkit's engine has no predicted outputs"),
+    "reasoning_effort": ((None,), "labkit's model is not a reasoning model"),
+}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost the server, refused before it costs it."""
+
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None  # None: whatever max_model_len leaves room for
+    max_waiting: int = 256  # requests queued but not yet running; more get 503
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked request: the prompt (text or token ids), its sampling and how to answer."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+    max_tokens_given: bool  # if not, the server fills max_tokens from the context left
+
+
+def parse_completion(body: dict, model_name: str) -> CompletionRequest:
+    _check_fields(body, COMPLETION_FIELDS)
+    _check_model(body, model_name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        raise RequestError("prompt: labkit's server takes one prompt per request (a string or a list of "
+                           f"token ids), got a batch of {len(prompt)}", "prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt is empty", "prompt")
+    elif isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    else:
+        raise RequestError(f"prompt must be a string or a list of token ids, got {_json_type(prompt)}", "prompt")
+    echo = _bool(body, "echo")
+    return CompletionRequest(prompt, _sampling(body), _bool(body, "stream"), _include_usage(body), echo,
+                             _max_tokens_given(body))
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    max_tokens_given: bool
+
+
+def parse_chat(body: dict, model_name: str) -> ChatRequest:
+    _check_fields(body, CHAT_FIELDS)
+    _check_model(body, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
+    checked = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with 'role' and 'content'", where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+        checked.append({"role": "system" if role == "developer" else role,
+                        "content": _message_text(message.get("content"), f"{where}.content")})
+    return ChatRequest(checked, _sampling(body), _bool(body, "stream"), _include_usage(body),
+                       _max_tokens_given(body))
+
+
+def _message_text(content, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of content parts of which only text ones are served."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}[{j}]: labkit's model reads text parts only "
+                                   "({'type': 'text', 'text': ...})", f"{where}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(f"{where} must be a string or a list of text parts, got {_json_type(content)}", where)
+
+
+def _check_fields(body: dict, own: set[str]) -> None:
+    for name, value in body.items():
+        if name in UNSUPPORTED:
+            off, why = UNSUPPORTED[name]
+            if value not in off:
+                raise RequestError(f"{name}={value!r} is not supported: {why}", name)
+        elif name not in own and name not in SAMPLING_FIELDS and name not in IGNORED:
+            raise RequestError(f"Unrecognized request argument supplied: {name}", name)
+
+
+def _check_model(body: dict, model_name: str) -> None:
+    model = body.get("model", model_name)
+    if model != model_name:
+        raise RequestError(f"The model {model!r} does not exist; this server serves {model_name!r}", "model",
+                           status=404, code="model_not_found")
+
+
+def _sampling(body: dict) -> SamplingParams:
+    """SamplingParams from the body; each field is checked on its own so the error names it."""
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    kwargs = {}
+    for name, field in SAMPLING_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        try:
+            SamplingParams(**{field: value})
+        except (TypeError, ValueError) as error:
+            message = str(error)
+            if field != name:
+                message = f"{name}: {message}"
+            raise RequestError(message, name) from None
+        kwargs[field] = value
+    return SamplingParams(**kwargs)
+
+
+def _max_tokens_given(body: dict) -> bool:
+    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {_json_type(value)}", name)
+    return value
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError("stream_options may only hold include_usage", "stream_options")
+    if not _bool(body, "stream"):
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+    return _bool(options, "include_usage")
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")

@@ -1,0 +1,194 @@
+"""Running the app: `labkit serve` in the foreground, or a server in a thread or a child process.
+
+The listening socket is bound here (port 0 picks a free one) before uvicorn starts, so whoever
+started the server learns the real address without racing anyone for a port.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import torch
+import uvicorn
+
+from labkit.engine import LLM
+from labkit.serve.app import create_app
+from labkit.serve.engine_loop import BATCHING_MODES
+from labkit.serve.protocol import Limits
+
+READY_LINE = "labkit serve: listening on "
+
+
+def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+class ServerThread:
+    """uvicorn in a background thread of this process, for tests:
+
+        with ServerThread(create_app(llm, "tiny")) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+
+    def __enter__(self) -> "ServerThread":
+        self.sock = bind(self.host, self.port)
+        self.url = url_of(self.sock)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="labkit-serve", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+        if self.thread.is_alive():
+            raise RuntimeError("the server thread did not stop")
+
+
+class ServerProcess:
+    """`labkit serve` in a child process (what a notebook or the load generator talks to).
+
+    Reads the address from the child's first line, waits until /health answers, and on exit stops
+    the child (SIGTERM, then SIGKILL) so no process or port is left behind.
+    """
+
+    def __init__(self, *args: str, timeout: float = 300):
+        self.args, self.timeout = [str(a) for a in args], timeout
+        self.process = self.url = self._drain = None
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start().wait()
+
+    def start(self) -> "ServerProcess":
+        """Launch the child and return at once (it loads the model meanwhile); `wait` for it later."""
+        command = [sys.executable, "-m", "labkit", "serve", "--host", "127.0.0.1", "--port", "0",
+                   "--exit-with-parent", str(os.getpid()), *self.args]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def wait(self) -> "ServerProcess":
+        """Block until the child answers /health (stopping it if it never does)."""
+        if self.url is None:
+            try:
+                self.url = self._wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def _wait_ready(self) -> str:
+        deadline = time.monotonic() + self.timeout
+        lines = []
+        for line in self.process.stdout:  # the child prints its address once the model is loaded
+            lines.append(line)
+            if line.startswith(READY_LINE):
+                url = line[len(READY_LINE):].strip()
+                break
+        else:
+            raise RuntimeError("labkit serve exited before it was ready:\n" + "".join(lines[-20:]))
+        # Keep the pipe drained, or a chatty child would block on a full pipe.
+        self._drain = threading.Thread(target=self.process.stdout.read, daemon=True)
+        self._drain.start()
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never via a proxy
+        while time.monotonic() < deadline:
+            try:
+                with direct.open(url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return url
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"labkit serve at {url} did not answer /health within {self.timeout:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._drain is not None:
+            self._drain.join(timeout=10)  # the child is gone, so its pipe is at its end
+        self.process.stdout.close()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="labkit serve", description="An OpenAI-compatible HTTP server on labkit's engine.")
+    p.add_argument("--model", default="smollm2", help="a model name, a .gguf file or an HF folder")
+    p.add_argument("--served-model-name", help="the name clients use and /v1/models shows (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--batching", choices=BATCHING_MODES, default="continuous",
+                   help="continuous: admit between steps; static: wait for the running batch to drain")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--num-kvcache-blocks", type=int, help="default: sized from memory")
+    p.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
+    defaults = Limits()
+    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    p.add_argument("--max-prompt-tokens", type=int, help="default: what max-model-len leaves room for")
+    p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                   help="requests queued beyond this get 503")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--exit-with-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
+    return p
+
+
+def _exit_with_parent(pid: int) -> None:
+    """Stop (as on Ctrl-C) once process `pid` is gone: a notebook kernel that dies leaves no server behind."""
+    def watch():
+        while os.getppid() == pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.exit_with_parent:
+        _exit_with_parent(args.exit_with_parent)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks, device=args.device)
+    limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_waiting)
+    app = create_app(llm, args.served_model_name or args.model, batching=args.batching, limits=limits)
+    sock = bind(args.host, args.port)
+    print(f"{READY_LINE}{url_of(sock)}", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("LABKIT_LOG_LEVEL", "warning"),
+                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        sock.close()

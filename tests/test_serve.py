@@ -1,0 +1,416 @@
+"""`labkit serve` driven as its clients drive it: the official `openai` client, and raw HTTP for what
+a well-behaved client never sends (malformed JSON, unknown fields, huge bodies, disconnects).
+
+Every server binds 127.0.0.1 on a free port in a thread of this process and is shut down by its
+`with` block; the answers are compared token for token with the offline engine's on the same model.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_support import MODEL_NAME, assert_engine_idle, server_threads, tiny_llm, wait_until
+
+from labkit.__main__ import main as labkit_main
+from labkit.sampling import SamplingParams
+from labkit.serve.app import create_app
+from labkit.serve.protocol import Limits
+from labkit.serve.server import ServerThread
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+
+
+def serve(llm, **kwargs) -> ServerThread:
+    return ServerThread(create_app(llm, MODEL_NAME, **kwargs))
+
+
+@contextlib.contextmanager
+def no_leaked_threads():
+    before = server_threads()
+    yield
+    assert server_threads() - before == set(), "a server left a thread running"
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics by name and labels, e.g. 'labkit_requests_total{finished_reason="abort"}'."""
+    text = httpx.get(server.url + "/metrics", trust_env=False).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return samples
+
+
+def test_openai_client_completions_chat_and_streams_match_the_offline_engine():
+    oracle = tiny_llm()
+    prompt = "The capital of France is"
+    expected = oracle.generate(prompt, GREEDY)[0]
+    expected_chat = oracle.chat(CHAT, GREEDY)[0]
+    llm = tiny_llm()
+    with no_leaked_threads(), serve(llm) as server:
+        c = client(server)
+        assert [m.id for m in c.models.list().data] == [MODEL_NAME]
+
+        out = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
+        assert out.choices[0].text == expected.text
+        assert out.choices[0].finish_reason == ("length" if len(expected.token_ids) == 8 else "stop")
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(expected.prompt_token_ids),
+                                                                          len(expected.token_ids))
+        echoed = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+        assert echoed.choices[0].text == prompt + expected.text
+
+        chunks = list(c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                           stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == expected.text
+        assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+        chat = c.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].message.content == expected_chat.text
+        assert chat.usage.completion_tokens == len(expected_chat.token_ids)
+
+        stream = c.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected_chat.text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected_chat.token_ids)
+
+        # vLLM's extra fields go through extra_body; a seed makes sampling reproducible.
+        seeded = [c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=7,
+                                       extra_body={"top_k": 50, "ignore_eos": True}).choices[0].text
+                  for _ in range(2)]
+        assert seeded[0] == seeded[1] == oracle.generate(prompt, SamplingParams(
+            temperature=1.0, seed=7, top_k=50, ignore_eos=True, max_tokens=8))[0].text
+        # A stop string cuts the text before it, streamed or not.
+        stop = expected.text[3:5]
+        for stream in (False, True):
+            answer = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+                                          stream=stream)
+            text = "".join(ch.choices[0].text for ch in answer) if stream else answer.choices[0].text
+            assert text == expected.text[:expected.text.index(stop)]
+
+        seen = metrics(server)
+        assert seen["labkit_time_to_first_token_seconds_count"] == 9
+        assert seen['labkit_requests_total{finished_reason="length"}'] >= 1
+        assert seen["labkit_num_requests_running"] == 0 and seen["labkit_kv_cache_usage_ratio"] == 0
+        assert seen["labkit_prefix_cache_hits_tokens_total"] > 0  # the same prompt, again and again
+    assert_engine_idle(llm)
+
+
+def post(server, path, body: bytes, headers=None) -> httpx.Response:
+    headers = {"content-type": "application/json", **(headers or {})}
+    return httpx.post(server.url + path, content=body, headers=headers, trust_env=False, timeout=60)
+
+
+def assert_error(response: httpx.Response, status: int, param, *words):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"prompt": "Hi", "max_tokens": 4, "frobnicate": 1}, "frobnicate", ["Unrecognized", "frobnicate"]),
+    ({"prompt": "Hi", "temperature": -1}, "temperature", ["temperature", ">= 0"]),
+    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens", ["max_tokens"]),
+    ({"prompt": "Hi", "max_tokens": "5"}, "max_tokens", ["max_tokens"]),
+    ({"prompt": "Hi", "top_p": 0}, "top_p", ["top_p"]),
+    ({"prompt": "Hi", "top_k": "many"}, "top_k", ["top_k"]),
+    ({"prompt": "Hi", "stop": [""]}, "stop", ["stop"]),
+    ({"prompt": "Hi", "n": 2}, "n", ["n=2", "one completion"]),
+    ({"prompt": "Hi", "logprobs": 3}, "logprobs", ["logprobs"]),
+    ({"prompt": "Hi", "stream": "yes"}, "stream", ["stream"]),
+    ({"prompt": ""}, "prompt", ["empty"]),
+    ({"prompt": ["a", "b"]}, "prompt", ["one prompt"]),
+    ({"prompt": [1, 2, 10**9]}, "prompt", ["token ids"]),
+    ({"max_tokens": 4}, "prompt", ["prompt"]),
+    ({"prompt": "Hi", "max_tokens": 5000}, "max_tokens", ["room"]),
+    ({"prompt": "Hi " * 1100, "max_tokens": 4}, "prompt", ["tokens", "limit"]),
+])
+def test_bad_completion_requests_get_openai_errors_naming_the_field(tiny_server, body, param, words):
+    server, _ = tiny_server
+    error = assert_error(post(server, "/v1/completions", json.dumps(body).encode()), 400, param, *words)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"messages": []}, "messages", ["messages"]),
+    ({"messages": "hi"}, "messages", ["messages"]),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", ["robot"]),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", ["string"]),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", ["text parts"]),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", ["tool"]),
+    ({"messages": CHAT, "prompt": "x"}, "prompt", ["Unrecognized"]),
+    ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 3}, "max_completion_tokens", ["not both"]),
+    ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
+])
+def test_bad_chat_requests_get_openai_errors_naming_the_field(tiny_server, body, param, words):
+    server, _ = tiny_server
+    assert_error(post(server, "/v1/chat/completions", json.dumps(body).encode()), 400, param, *words)
+
+
+def test_malformed_bodies_wrong_models_and_the_openai_clients_view_of_errors(tiny_server):
+    server, llm = tiny_server
+    assert_error(post(server, "/v1/completions", b'{"prompt": "Hi", '), 400, None, "not valid JSON")
+    assert_error(post(server, "/v1/completions", b"\xff\xfe"), 400, None, "not valid JSON")
+    assert_error(post(server, "/v1/completions", b'["Hi"]'), 400, None, "JSON object")
+    error = assert_error(post(server, "/v1/completions", b'{"model": "gpt-4", "prompt": "Hi"}'), 404, "model")
+    assert error["code"] == "model_not_found"
+    assert_error(post(server, "/v1/embeddings", b"{}"), 404, None, "/v1/embeddings", "Not Found")
+    assert_error(httpx.get(server.url + "/v1/completions", trust_env=False), 405, None, "GET")
+    # Content parts of type text are read; "developer" is OpenAI's newer name for "system".
+    parts = {"messages": [{"role": "developer", "content": "Be brief."},
+                          {"role": "user", "content": [{"type": "text", "text": "What is a KV cache?"}]}],
+             "max_tokens": 3, "temperature": 0}
+    plain = {"messages": CHAT, "max_tokens": 3, "temperature": 0}
+    answers = [post(server, "/v1/chat/completions", json.dumps(b).encode()).json() for b in (parts, plain)]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    # Fields OpenAI accepts that change nothing (user) are accepted; their "off" values too.
+    ok = post(server, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "user": "me", "n": 1,
+                                                    "logprobs": None, "best_of": 1}).encode())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: colour"):
+        client(server).completions.create(model=MODEL_NAME, prompt="Hi", extra_body={"colour": "red"})
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(model="gpt-4", messages=CHAT)
+    assert_engine_idle(llm)
+
+
+def test_huge_bodies_and_prompts_are_refused_before_they_are_read(tiny_server):
+    server, llm = tiny_server
+    limit = Limits().max_body_bytes
+    # A Content-Length over the limit is refused from the headers alone: the body is never sent.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (50 * limit))
+        reply = b""
+        while b"}}" not in reply and (piece := sock.recv(65536)):
+            reply += piece
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply
+    # A chunked body (no Content-Length) is cut off once it passes the limit.
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"x" * (limit // 8)
+        yield b'"}'
+    response = httpx.post(server.url + "/v1/completions", content=chunks(), trust_env=False, timeout=60)
+    assert_error(response, 413, None, "larger than", str(limit))
+    # A prompt within the body limit but whose size alone proves it too long is refused untokenized.
+    response = post(server, "/v1/completions", json.dumps({"prompt": "x" * (limit - 100)}).encode())
+    error = assert_error(response, 400, "prompt", "prompt is longer than")  # no token count: never tokenized
+    assert error["code"] == "context_length_exceeded"
+    assert httpx.get(server.url + "/health", trust_env=False).json() == {"status": "ok"}
+    assert_engine_idle(llm)
+
+
+def read_events(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while data.count(b"data: ") < count:
+        piece = sock.recv(4096)
+        assert piece, "the server closed the stream early"
+        data += piece
+    return data
+
+
+def request_bytes(server, path: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: {server.url[7:]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(tiny_server, stream):
+    server, llm = tiny_server
+    before = metrics(server).get('labkit_requests_total{finished_reason="abort"}', 0)
+    body = {"prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    host, port = server.url[7:].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request_bytes(server, "/v1/completions", body))
+        if stream:
+            read_events(sock, 3)  # it is generating
+        else:
+            wait_until(lambda: llm.block_manager.num_used_blocks > 0, what="the request to start")
+    # The socket is closed: the next steps abort the request and free its blocks long before 900 tokens.
+    assert_engine_idle(llm)
+    assert metrics(server)['labkit_requests_total{finished_reason="abort"}'] == before + 1
+    assert post(server, "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}').status_code == 200
+
+
+def test_a_full_queue_gets_503_with_a_reason_and_static_batching_waits_for_the_batch_to_drain():
+    llm = tiny_llm(max_num_seqs=1)
+    with no_leaked_threads(), serve(llm, batching="static", limits=Limits(max_waiting=1)) as server:
+        host, port = server.url[7:].split(":")
+        long = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with socket.create_connection((host, int(port)), timeout=10) as first, \
+                socket.create_connection((host, int(port)), timeout=10) as second:
+            first.sendall(request_bytes(server, "/v1/completions", long))
+            read_events(first, 2)  # running: the batch of one is full
+            second.sendall(request_bytes(server, "/v1/completions", long))
+            wait_until(lambda: server.app.state.engine.num_waiting == 1, what="the second request to queue")
+            busy = post(server, "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')
+            error = assert_error(busy, 503, None, "busy", "waiting")
+            assert error["code"] == "queue_full" and busy.headers["retry-after"] == "1"
+            # Static batching: the waiting request stays queued while the running batch generates.
+            assert llm.scheduler.waiting == [] and len(llm.scheduler.running) == 1
+        assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_static_batching_starts_nothing_new_until_the_batch_has_finished(batching):
+    """Two slots. A long request is running when a short one arrives, and another short one just after.
+    Continuous batching starts both while the long one runs; static waits until its batch has drained."""
+    llm = tiny_llm(max_num_seqs=2)
+    with no_leaked_threads(), serve(llm, batching=batching) as server:
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, trust_env=False, timeout=60) as http:
+                running = asyncio.Event()
+
+                async def timed(max_tokens, after=None, delay=0.0):
+                    if after is not None:
+                        await after.wait()
+                    await asyncio.sleep(delay)
+                    body = {"prompt": "Hi", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                            "stream": True}
+                    first = last = None
+                    async with http.stream("POST", "/v1/completions", json=body) as response:
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: {"):
+                                first = first or asyncio.get_running_loop().time()
+                                last = asyncio.get_running_loop().time()
+                                running.set()
+                    return first, last
+                return await asyncio.gather(timed(400), timed(4, running), timed(4, running, 0.1))
+        (long_start, long_end), short, (third_start, _) = asyncio.run(run())
+        assert (third_start > long_end) == (batching == "static"), (long_start, long_end, short, third_start)
+        assert (short[0] > long_end) == (batching == "static")
+    assert_engine_idle(llm)
+
+
+def test_two_hundred_concurrent_requests_with_random_disconnects_leave_no_block_held():
+    """A bounded storm: 200 requests, 32 at a time, a quarter of them abandoned at a random moment,
+    on a cache small enough that requests get preempted. Afterwards every block is free and the
+    server still answers."""
+    llm = tiny_llm(num_kvcache_blocks=24, max_num_seqs=16, max_model_len=256)
+    rng = random.Random(0)
+    plan = [(rng.randint(4, 40), rng.random() < 0.25, rng.uniform(0.0, 0.3), rng.random() < 0.5) for _ in range(200)]
+    with no_leaked_threads(), serve(llm) as server:
+        async def one(http, gate, max_tokens, leave, after, stream):
+            async with gate:
+                body = {"prompt": f"Request with {max_tokens} tokens", "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True, "stream": stream}
+                request = http.post("/v1/completions", json=body)
+                if leave:  # the client goes away mid-request: its connection closes
+                    try:
+                        await asyncio.wait_for(request, after)
+                    except asyncio.TimeoutError:
+                        return "left"
+                    return "done"
+                response = await request
+                assert response.status_code == 200, response.text
+                if stream:
+                    events = [json.loads(line[6:]) for line in response.text.splitlines()
+                              if line.startswith("data: {")]
+                    assert events[-1]["choices"][0]["finish_reason"] == "length"
+                else:
+                    assert response.json()["usage"]["completion_tokens"] == max_tokens
+                return "done"
+
+        async def storm():
+            gate = asyncio.Semaphore(32)
+            async with httpx.AsyncClient(base_url=server.url, trust_env=False, timeout=120,
+                                         limits=httpx.Limits(max_connections=64)) as http:
+                return await asyncio.wait_for(asyncio.gather(*(one(http, gate, *p) for p in plan)), 240)
+
+        outcomes = asyncio.run(storm())
+        assert outcomes.count("left") > 10
+        assert_engine_idle(llm)
+        seen = metrics(server)
+        assert seen["labkit_num_preemptions_total"] > 0  # the small cache was under pressure
+        # A client that left was aborted, unless it left before its request reached the engine or after
+        # the request had finished; every client that stayed got its whole answer.
+        aborted, finished = seen['labkit_requests_total{finished_reason="abort"}'], \
+            seen['labkit_requests_total{finished_reason="length"}']
+        assert 0 < aborted <= outcomes.count("left") and outcomes.count("done") <= finished <= 200 - aborted
+        assert seen["labkit_kv_cache_usage_ratio"] == 0 and seen["labkit_num_requests_waiting"] == 0
+        out = client(server).completions.create(model=MODEL_NAME, prompt="Still there?", max_tokens=3)
+        assert out.usage.completion_tokens >= 1
+    assert_engine_idle(llm)
+
+
+def test_shutdown_releases_threads_and_the_port_and_ends_open_streams():
+    llm = tiny_llm()
+    with no_leaked_threads(), serve(llm) as server:
+        host, port = server.url[7:].split(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(request_bytes(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1000,
+                                                               "ignore_eos": True, "stream": True}))
+        read_events(sock, 2)
+    sock.close()
+    assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    llm = tiny_llm()
+    with no_leaked_threads(), serve(llm) as server:
+        yield server, llm
+
+
+def test_a_server_process_exits_when_the_process_that_started_it_dies():
+    """`ServerProcess` passes --exit-with-parent: a crashed notebook kernel leaves no server behind."""
+    child = ("import os, time; from labkit.serve.server import _exit_with_parent; "
+             "_exit_with_parent(os.getppid()); print(os.getpid(), flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: not _alive(orphan), timeout=30, what="the orphaned server to exit")
+    finally:
+        parent.kill()
+        parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(FileNotFoundError):  # a zombie has exited: only its exit status is left
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    return True
+
+
+def test_the_labkit_command_names_its_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        labkit_main(["frobnicate"])
+    assert exit_.value.code == 2 and "labkit serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        labkit_main(["serve", "--help"])
+    assert exit_.value.code == 0 and "--batching {continuous,static}" in capsys.readouterr().out
