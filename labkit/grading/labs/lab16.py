@@ -82,7 +82,7 @@ def make_stream(pieces: list[str], *, comments=False, no_space=False, crlf=False
     return newline.join(lines) + newline
 
 
-@exercise("16", "sse_text", forbidden=("openai.Stream", "httpx_sse"))
+@exercise("16", "sse_text", forbidden=("openai.Stream",))
 def sse_text(ns):
     fn = require(ns, "sse_text")
     rng = random.Random(1616)
