@@ -54,3 +54,17 @@ def softmax(ns):
     if not torch.allclose(large, expected, atol=1e-6):
         raise ExerciseFailed("large logits give wrong values: subtract each row's max before exponentiating")
     return "rows sum to 1, and large logits don't overflow"
+
+
+@exercise("00", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    last = torch.softmax(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), -1)[-1].item()
+    return grade_answers(ns, {
+        1: Choice("b", "'Exercises and check cells'"),
+        2: Choice("c", "the warm-up's paragraph on overflow"),
+        3: Number(last, "the softmax formula, and try your own `softmax`", rel_tol=2e-3),
+        4: Choice("b", "'The five source documents'"),
+        5: Choice("a", "'How grading works'"),
+    })

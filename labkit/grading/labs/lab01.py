@@ -211,3 +211,18 @@ def _encode_by_frequency(text, merges_dict):
             ids = merge_pair(ids, pair, merges_dict[pair])
         out.extend(ids)
     return out
+
+
+@exercise("01", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers, smollm2_config, smollm2_tokenizer
+
+    hidden = smollm2_config().hidden_size
+    return grade_answers(ns, {
+        1: Choice("b", "Exercise 4 (encoding replays training's order)"),
+        2: Number(len(merge_pair([5] * 5, (5, 5), 9)), "Exercise 2: left to right, without overlaps"),
+        3: Number(len(smollm2_tokenizer().encode("The capital of France is")),
+                  "section 5, and encode the prompt yourself"),
+        4: Number(2 * 7 * hidden, "section 6: E has shape [B, S, D]"),
+        5: Choice("b", "the paragraph after *Text to Tensors*' pipeline (§1.3)"),
+    })

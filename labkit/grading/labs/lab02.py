@@ -95,3 +95,21 @@ def matmul_intensity(ns):
                              if abs(got / _intensity(*shape) - 1) >= 1e-9)
     raise ExerciseFailed(f"intensity({m}, {k}, {n}, {b}) = {got}, expected "
                          f"2mkn / ((mk + kn + mn) * bytes) = {_intensity(m, k, n, b):.4f}")
+
+
+@exercise("02", "knowledge_check")
+def knowledge_check(ns):
+    import torch
+
+    from labkit.grading.quiz import Choice, Number, grade_answers, smollm2_config
+
+    smol = smollm2_config()
+    fp16, fp32 = torch.finfo(torch.float16).bits // 8, torch.finfo(torch.float32).bits // 8
+    smol_mib = 2 * smol.num_layers * smol.num_kv_heads * smol.head_dim * 1024 * fp16 / 2**20
+    return grade_answers(ns, {
+        1: Number(smol_mib, "section 3's formula with SmolLM2's configuration", rel_tol=1e-3),
+        2: Choice("a", "section 4: m = 1 in your `matmul_intensity`"),
+        3: Number(2 * fp32, "section 2 on Adam's two moments"),
+        4: Choice("a", "'The KV cache is read too'"),
+        5: Choice("b", "the paragraph after the KV-cache plots (GQA)"),
+    })

@@ -92,3 +92,19 @@ def causal_softmax(ns):
     if not _close(got, ref.causal_softmax(scores)):
         raise ExerciseFailed("weights differ from softmax over each row with j > i set to -inf")
     return "future masked with -inf, each row a softmax that sums to 1"
+
+
+@exercise("03", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    model = ref.load_worked_example()
+    trace = ref.forward(model, [model.token_id("I"), model.token_id("love")])
+    return grade_answers(ns, {
+        1: Number(trace.weights[0, 1, 0].item(), "Step 4: row 1 of head 1's attention weights", rel_tol=2e-3),
+        2: Choice("a", "Step 4: which positions j > i the mask hides"),
+        3: Number(trace.probs[-1, trace.next_token].item(), "the last step: the softmax of the last position's "
+                  "logits", rel_tol=4e-3),
+        4: Choice("a", "'How W_K1 and W_V1 were built'"),
+        5: Choice("c", "'Head 2: a printed number that does not follow'"),
+    })

@@ -65,3 +65,19 @@ def append_and_attend(ns):
     if not _close(out, expected):
         raise ExerciseFailed("the output differs from softmax(q K_all^T / sqrt(d_k)) V_all")
     return "appended one row, attended over all cached positions and itself"
+
+
+@exercise("04", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    model = ref.load_worked_example()
+    _, cache = ref.generate(model, [model.token_id("I"), model.token_id("love")], steps=2)
+    return grade_answers(ns, {
+        1: Number(len(cache), "Step 3: each step appends one row per head"),
+        2: Number(ref.projection_matvecs(512, 512, cached=True), "'The work, counted': with a cache each "
+                  "token is projected once"),
+        3: Choice("a", "Step 3, on attending over every position"),
+        4: Choice("b", "'Proof: the cache changes the cost, not the answer'"),
+        5: Choice("b", "the correction of the book's cost formula, after 'The work, counted'"),
+    })

@@ -184,3 +184,19 @@ def attention_with_cache(ns):
                              "cached + i and sees keys 0 .. cached + i")
     raise ExerciseFailed("the output differs from causal attention over cached + new keys "
                          f"(max abs diff {(got - ok).abs().max():.3g})")
+
+
+@exercise("05", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers, smollm2_config
+
+    smol = smollm2_config()
+    fp32 = torch.finfo(torch.float32).bits // 8
+    return grade_answers(ns, {
+        1: Number(smol.num_heads // smol.num_kv_heads, "'Attention that reads and appends to a KV cache'"),
+        2: Number(2 * smol.num_layers * smol.num_kv_heads * smol.head_dim * fp32,
+                  "section 4: Lab 02's formula with one token and 4-byte elements"),
+        3: Choice("a", "the RMSNorm exercise's formula"),
+        4: Choice("b", "'The rotary embedding'"),
+        5: Choice("b", "what the timings show, in section 3"),
+    })

@@ -151,3 +151,20 @@ def sample_next(ns):
         raise ExerciseFailed("at temperature 0.3 the draws should concentrate on the argmax: divide the "
                              "logits by the temperature before the softmax")
     return "greedy at temperature 0, seeded draws that follow softmax(logits / T)"
+
+
+@exercise("06", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    def kept(logits, **settings):
+        return int(torch.isfinite(filter_logits(logits, **settings)).sum())
+
+    return grade_answers(ns, {
+        1: Number(kept(torch.tensor([0.4, 0.3, 0.2, 0.1]).log(), top_p=0.75), "section 4: the token that "
+                  "crosses the threshold is kept"),
+        2: Number(kept(torch.tensor([2.0, 1.0, 1.0, 0.0]), top_k=2), "Exercise 2: ties with the k-th largest"),
+        3: Choice("a", "section 7 (a), on temperature 0"),
+        4: Choice("b", "section 2, on temperature"),
+        5: Choice("b", "the summary, on the order of the filters"),
+    })

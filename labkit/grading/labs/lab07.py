@@ -163,3 +163,20 @@ def online_softmax(ns):
     if not torch.allclose(single, online_softmax_attention(query, key_blocks[:1], value_blocks[:1]), atol=1e-6):
         raise ExerciseFailed("wrong with a single block")
     return "one pass over the blocks equals softmax over all keys"
+
+
+@exercise("07", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    length, block_size = 50, 16
+    blocks = math.ceil(length / block_size)
+    fp16 = torch.finfo(torch.float16).bits // 8
+    llama2_block = 32 * 2 * block_size * 32 * 128 * fp16  # layers, K and V, tokens, KV heads, head_dim
+    return grade_answers(ns, {
+        1: Number(blocks, "section 3: a sequence holds ceil(L / B) blocks"),
+        2: Number(blocks * block_size - length, "section 3's waste formula"),
+        3: Number(llama2_block / 2**20, "section 1: what a block holds (MiB = 2**20 bytes)"),
+        4: Choice("b", "section 3, on internal fragmentation"),
+        5: Choice("a", "section 7, the online softmax"),
+    })

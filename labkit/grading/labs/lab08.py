@@ -103,3 +103,19 @@ def paged_decode(ns):
         raise ExerciseFailed("right for the one-token context, wrong for longer ones: check the running max "
                              "rescaling (alpha = exp(m_old - m_new)) and the block-table lookup")
     raise ExerciseFailed(f"differs from the reference (max abs diff {(got - want).abs().max():.2e})")
+
+
+@exercise("08", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers, smollm2_config
+
+    block_size, table, position = 16, [7, 1, 4], 37
+    smol = smollm2_config()
+    return grade_answers(ns, {
+        1: Number(table[position // block_size] * block_size + position % block_size,
+                  "section 2: block id x block_size + offset"),
+        2: Number(7 // (smol.num_heads // smol.num_kv_heads), "section 3, on GQA: h // (H / H_kv)"),
+        3: Number(4 * smol.num_heads, "section 3: the grid of the decode kernel"),
+        4: Choice("a", "the introduction, on the gather's cost"),
+        5: Choice("a", "section 5, achieved memory bandwidth"),
+    })

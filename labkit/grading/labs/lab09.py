@@ -141,3 +141,31 @@ def take_free_block(ns):
     if list(cached) != [1, 4] or table != {111: 1, 444: 4}:
         raise ExerciseFailed("other cached blocks or hash entries were changed")
     return "never-cached blocks first, then LRU eviction with its hash entry removed"
+
+
+@exercise("09", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.cache.block_manager import BlockManager
+    from labkit.cache.sequence_blocks import BlockSequence
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    def served(system, questions, block_size):
+        """Prompt tokens the prefix cache serves when the requests arrive one after another."""
+        bm = BlockManager(num_blocks=64, block_size=block_size)
+        for i, question in enumerate(questions):
+            seq = BlockSequence(i, system + question)
+            bm.allocate(seq)
+            seq.num_cached_tokens = len(seq.token_ids)  # its prefill ran
+            bm.cache_computed_blocks(seq)
+        return bm.stats.hit_tokens, bm
+
+    system = list(range(100, 140))
+    hits, _ = served(system, [list(range(1000 * i, 1000 * i + 6)) for i in range(1, 9)], block_size=16)
+    _, pair = served(system[:16], [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], block_size=8)
+    return grade_answers(ns, {
+        1: Choice("b", "section 1, hash chains"),
+        2: Number(hits, "section 3: only whole blocks inside the shared prompt are hits"),
+        3: Number(pair.blocks[0].ref_count, "the diagram at the top: one reference per sequence that holds the block"),
+        4: Choice("b", "bug 2 in section 5"),
+        5: Choice("b", "bug 3 in section 5"),
+    })

@@ -149,3 +149,51 @@ def _diagnose(case, got, want) -> str:
         if got == reference_schedule_step(list(running), list(waiting), budget, max_seqs, free, **mistake):
             return f"got {got}, expected {want}: {message}. {where}"
     return f"expected {want}, got {got}: {where}"
+
+
+@exercise("10", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.cache.paged_storage import PagedKVStorage
+    from labkit.engine import Scheduler, SchedulerConfig, Sequence
+    from labkit.grading.quiz import Choice, Number, grade_answers
+    from labkit.sampling import SamplingParams
+
+    def scheduler(budget, num_blocks=6, block_size=8, max_seqs=4):
+        config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64)
+        return Scheduler(config, BlockManager(num_blocks, block_size), PagedKVStorage(1, num_blocks, block_size, 1, 4))
+
+    def request(first, prompt_len, max_tokens):
+        return Sequence(list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    def step(s):
+        """One step with the lab's stand-in model; returns {sequence: tokens computed}."""
+        out = s.schedule()
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if seq.num_cached_tokens + n == seq.num_tokens:
+                seq.append_token(0)
+        s.postprocess(out)
+        return dict(zip(out.seqs, out.num_new_tokens, strict=True))
+
+    trace = scheduler(budget=16)
+    arrivals = [request(1000, 20, 6), request(2000, 5, 12), request(3000, 12, 10), request(4000, 9, 4),
+                request(5000, 3, 6)]  # created in arrival order: that order is first come, first served
+    for seq in arrivals:
+        trace.add(seq)
+    c = arrivals[2]
+    step(trace)
+    c_in_step_2 = step(trace).get(c, 0)
+
+    chunked = scheduler(budget=4)
+    s = request(1000, 8, 3)
+    chunked.add(s)
+    steps = 0
+    while not s.output_token_ids:
+        step(chunked)
+        steps += 1
+    return grade_answers(ns, {
+        1: Number(c_in_step_2, "the step-by-step trace, step 2"),
+        2: Number(steps, "chunked prefill's token flow: the last chunk samples"),
+        3: Choice("b", "'Priorities': the order that picks victims"),
+        4: Choice("b", "'A request's life' and the trace's step 6"),
+        5: Choice("c", "'No deadlock: impossible requests are refused at once'"),
+    })
