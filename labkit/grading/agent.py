@@ -67,6 +67,8 @@ class Agent:
             value = self.namespace[name]
             return {"defined": True, "type": type(value).__name__, "callable": callable(value),
                     "class": isinstance(value, type)}
+        if op == "value":
+            return {"result": Encoder(handles=self._keep).encode(self.namespace[request["name"]])}
         if op not in ("call", "getattr"):
             raise CodecError(f"unknown request {op!r}")
         target = self.namespace[request["name"]] if "name" in request else self._handle(request["handle"], "")

@@ -88,11 +88,17 @@ def exercise(lab: str, name: str, points: int = 1, forbidden: tuple[str, ...] = 
 def require(namespace, name: str, kind: type | None = None):
     """The student's definition `name`, or a failure that says how to get it defined.
 
-    `kind` is None (a function) or `type` (a class). While an exercise is graded, the value comes
-    back guarded: calling what the exercise forbids from inside it fails the exercise.
+    `kind` is None (a function), `type` (a class) or a data type such as `dict` (a value the student
+    fills in, copied out of the student's kernel). While an exercise is graded, a function or class
+    comes back guarded: calling what the exercise forbids from inside it fails the exercise.
     """
     if name not in namespace:
         raise NotDefined(name)
+    if kind not in (None, type):
+        value = namespace.value(name) if hasattr(namespace, "value") else namespace[name]
+        if not isinstance(value, kind):
+            raise ExerciseFailed(f"`{name}` should be a {kind.__name__}, but it is a {type(value).__name__}")
+        return value
     value = namespace[name]
     describe = getattr(value, "_describe", None)
     type_name, is_callable, is_class = describe() if describe else (
@@ -101,8 +107,6 @@ def require(namespace, name: str, kind: type | None = None):
         raise ExerciseFailed(f"`{name}` should be a function, but it is a {type_name}")
     if kind is type and not is_class:
         raise ExerciseFailed(f"`{name}` should be a class, but it is a {type_name}")
-    if kind not in (None, type):
-        raise TypeError("require's kind is None (a function) or type (a class)")
     wires = GRADING.get()
     if wires is None:
         return value

@@ -235,6 +235,17 @@ class RemoteNamespace:
         return RemoteObject(self.link, {"name": name}, str(found.get("type", "object")),
                             bool(found.get("callable")), bool(found.get("class")))
 
+    def value(self, name: str):
+        """The data bound to `name` in the student's kernel (the codec's types), copied here."""
+        answer = self.link.request({"op": "value", "name": name})
+        decoder = Decoder(handle=lambda number, type_name: _remote_type(type_name)(
+            self.link, {"handle": number}, type_name))
+        try:
+            return decoder.decode(answer["result"])
+        except (CodecError, KeyError, TypeError, ValueError, RecursionError) as error:
+            raise ExerciseFailed(f"`{name}` could not be read from your kernel ({type(error).__name__}: "
+                                 f"{str(error)[:200]})") from None
+
     def definition_source(self, name: str) -> str:
         """The last cell that defines `name`, from the notebook as read by the trusted side."""
         definition = re.compile(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(name)}\b", re.MULTILINE)
