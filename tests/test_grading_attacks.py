@@ -478,3 +478,12 @@ def test_every_process_of_a_kernels_uid_dies_even_detached():
     for process in (detached, leader):
         process.wait(timeout=10)
     assert not any(_alive(pid) for pid in sandbox.processes_of_uid(uid))
+
+
+def test_a_course_under_tmp_is_bound_back_into_the_sandbox(monkeypatch):
+    """bubblewrap gives the kernel an empty /tmp: a clone there (as CI may make) must stay visible."""
+    monkeypatch.setattr(sandbox, "COURSE_ROOT", Path("/tmp/ci/course"))
+    monkeypatch.setattr(sandbox.sys, "prefix", "/tmp/ci/course/.venv")
+    needed = sandbox._needed_under_scratch()
+    assert needed[0] == Path("/tmp/ci/course") and Path("/tmp/ci/course/.venv") not in needed
+    assert all(not p.is_relative_to("/tmp/ci/course") or p == Path("/tmp/ci/course") for p in needed)

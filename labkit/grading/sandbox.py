@@ -100,12 +100,24 @@ def wrap_command(argv: list[str], workdir: Path, hidden: list[Path], limits: Lim
     confine.insert(3, "--in-pid-namespace")
     command = [shutil.which("bwrap"), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
                "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    for path in _needed_under_scratch():  # a course cloned into /tmp must not vanish under the fresh /tmp
+        command += ["--ro-bind", str(path), str(path)]
     for path in hidden:  # mounted over after the root bind, before the workdir is bound back
         if path.is_dir() and not workdir.is_relative_to(path):
             command += ["--tmpfs", str(path)]
     command += ["--bind", str(workdir), str(workdir), "--unshare-all", "--die-with-parent", "--new-session",
                 "--chdir", str(workdir), "--"]
     return command + confine
+
+
+def _needed_under_scratch() -> list[Path]:
+    """The course, its Python and its packages, where they sit under /tmp or /dev/shm (which the
+    sandbox replaces with empty folders): bound back read-only, outermost first."""
+    needed = {COURSE_ROOT, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+              Path(sys.executable).resolve().parent}
+    scratch = [Path("/tmp"), Path("/dev/shm")]
+    inside = sorted(p for p in needed if any(p.is_relative_to(s) and p != s for s in scratch))
+    return [p for p in inside if not any(p != q and p.is_relative_to(q) for q in inside)]
 
 
 def prepare_workdir(workdir: Path, uid: int | None) -> None:
