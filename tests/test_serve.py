@@ -323,11 +323,13 @@ def request_bytes(server, path: str, body: dict) -> bytes:
             f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(tiny_server, stream):
+def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(tiny_server, stream, n):
     server, llm = tiny_server
     before = metrics(server).get('labkit_requests_total{finished_reason="abort"}', 0)
-    body = {"prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    body = {"prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True, "stream": stream, "n": n,
+            "logprobs": 2 if n > 1 else None}  # every sample's blocks, shared (copy-on-write) or not
     host, port = server.url[7:].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(request_bytes(server, "/v1/completions", body))
