@@ -185,6 +185,8 @@ def test_n_samples_and_logprobs_match_the_offline_engine():
         plain = c.chat.completions.create(messages=CHAT, **ask)
         assert [ch.message.content for ch in plain.choices] == [s.text for s in expected_chat]
         assert all(ch.logprobs is None for ch in plain.choices)
+        off = c.chat.completions.create(messages=CHAT, logprobs=False, top_logprobs=0, **ask)  # the "off" values
+        assert [ch.message.content for ch in off.choices] == [s.text for s in expected_chat]
     assert_engine_idle(llm)
 
 

@@ -138,7 +138,7 @@ def parse_chat(body: dict, model_name: str) -> ChatRequest:
     if _bool(body, "logprobs"):
         top_logprobs = body.get("top_logprobs") or 0
         params = _with_logprobs(params, top_logprobs, "top_logprobs")
-    elif body.get("top_logprobs") is not None:
+    elif body.get("top_logprobs") not in (None, 0):
         raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
     return ChatRequest(checked, params, _bool(body, "stream"), _include_usage(body), _max_tokens_given(body),
                        top_logprobs)
