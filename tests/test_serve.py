@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import httpx
 import openai
@@ -113,6 +114,82 @@ def test_openai_client_completions_chat_and_streams_match_the_offline_engine():
     assert_engine_idle(llm)
 
 
+SAMPLED = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, logprobs=3)
+
+
+def top_k(position: dict, k: int) -> dict[str, float]:
+    """The k most likely tokens of one position of the engine's logprobs, text -> logprob."""
+    best = sorted(position.values(), key=lambda entry: entry.rank)[:k]
+    return {entry.decoded_token: entry.logprob for entry in best}
+
+
+def test_n_samples_and_logprobs_match_the_offline_engine():
+    """n=3 seeded samples, each with its own text, finish reason and the engine's own logprobs, in
+    both routes' shapes, streamed or not; usage counts all three completions."""
+    prompt = "The capital of France is"
+    oracle = tiny_llm()
+    expected = oracle.generate(prompt, SAMPLED)[0].outputs
+    expected_chat = oracle.chat(CHAT, replace(SAMPLED, logprobs=2))[0].outputs
+    assert len({s.text for s in expected}) > 1  # the samples differ, so a mixed-up index would show
+    llm = tiny_llm()
+    with serve(llm) as server:
+        c = client(server)
+        ask = {"model": MODEL_NAME, "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 8}
+        out = c.completions.create(prompt=prompt, logprobs=3, **ask)
+        assert [ch.index for ch in out.choices] == [0, 1, 2]
+        assert out.usage.completion_tokens == sum(len(s.token_ids) for s in expected)
+        for choice, sample in zip(out.choices, expected, strict=True):
+            assert choice.text == sample.text
+            assert choice.finish_reason == ("length" if len(sample.token_ids) == 8 else "stop")
+            lp = choice.logprobs
+            assert lp.token_logprobs == [pos[t].logprob for pos, t in zip(sample.logprobs, sample.token_ids,
+                                                                           strict=True)]
+            assert lp.tokens == [pos[t].decoded_token for pos, t in zip(sample.logprobs, sample.token_ids,
+                                                                         strict=True)]
+            for top, pos, t in zip(lp.top_logprobs, sample.logprobs, sample.token_ids, strict=True):
+                assert top == {pos[t].decoded_token: pos[t].logprob, **top_k(pos, 3)}
+            assert lp.text_offset == [sum(map(len, lp.tokens[:j])) for j in range(len(lp.tokens))]
+
+        texts, tokens, finishes = ["", "", ""], [[], [], []], {}
+        for chunk in c.completions.create(prompt=prompt, logprobs=3, stream=True, **ask):
+            (choice,) = chunk.choices
+            texts[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        assert texts == [s.text for s in expected] and sorted(finishes) == [0, 1, 2]
+        assert tokens == [[pos[t].decoded_token for pos, t in zip(s.logprobs, s.token_ids, strict=True)]
+                          for s in expected]
+
+        chat = c.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, **ask)
+        assert chat.usage.completion_tokens == sum(len(s.token_ids) for s in expected_chat)
+        for choice, sample in zip(chat.choices, expected_chat, strict=True):
+            assert choice.message.content == sample.text
+            content = choice.logprobs.content
+            assert [(e.token, e.logprob) for e in content] == [
+                (pos[t].decoded_token, pos[t].logprob) for pos, t in zip(sample.logprobs, sample.token_ids,
+                                                                         strict=True)]
+            assert all(e.bytes == list(e.token.encode()) for e in content)
+            assert [{top.token: top.logprob for top in e.top_logprobs} for e in content] == [
+                top_k(pos, 2) for pos in sample.logprobs]
+
+        texts, entries = ["", "", ""], [[], [], []]
+        for chunk in c.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, stream=True, **ask):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                entries[choice.index] += [e.logprob for e in choice.logprobs.content] if choice.logprobs else []
+        assert texts == [s.text for s in expected_chat]
+        assert entries == [[pos[t].logprob for pos, t in zip(s.logprobs, s.token_ids, strict=True)]
+                           for s in expected_chat]
+        # Without logprobs there are none, and n still gives n choices.
+        plain = c.chat.completions.create(messages=CHAT, **ask)
+        assert [ch.message.content for ch in plain.choices] == [s.text for s in expected_chat]
+        assert all(ch.logprobs is None for ch in plain.choices)
+        off = c.chat.completions.create(messages=CHAT, logprobs=False, top_logprobs=0, **ask)  # the "off" values
+        assert [ch.message.content for ch in off.choices] == [s.text for s in expected_chat]
+    assert_engine_idle(llm)
+
+
 def post(server, path, body: bytes, headers=None) -> httpx.Response:
     headers = {"content-type": "application/json", **(headers or {})}
     return httpx.post(server.url + path, content=body, headers=headers, trust_env=False, timeout=60)
@@ -135,8 +212,11 @@ def assert_error(response: httpx.Response, status: int, param, *words):
     ({"prompt": "Hi", "top_p": 0}, "top_p", ["top_p"]),
     ({"prompt": "Hi", "top_k": "many"}, "top_k", ["top_k"]),
     ({"prompt": "Hi", "stop": [""]}, "stop", ["stop"]),
-    ({"prompt": "Hi", "n": 2}, "n", ["n=2", "one completion"]),
-    ({"prompt": "Hi", "logprobs": 3}, "logprobs", ["logprobs"]),
+    ({"prompt": "Hi", "n": 0}, "n", ["n must be"]),
+    ({"prompt": "Hi", "n": 17}, "n", ["n=17", "max_num_seqs"]),
+    ({"prompt": "Hi", "n": 2, "best_of": 3}, "best_of", ["best_of"]),
+    ({"prompt": "Hi", "logprobs": 21}, "logprobs", ["logprobs", "[0, 20]"]),
+    ({"prompt": "Hi", "logprobs": True}, "logprobs", ["logprobs"]),
     ({"prompt": "Hi", "stream": "yes"}, "stream", ["stream"]),
     ({"prompt": ""}, "prompt", ["empty"]),
     ({"prompt": ["a", "b"]}, "prompt", ["one prompt"]),
@@ -162,6 +242,12 @@ def test_bad_completion_requests_get_openai_errors_naming_the_field(tiny_server,
     ({"messages": CHAT, "prompt": "x"}, "prompt", ["Unrecognized"]),
     ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 3}, "max_completion_tokens", ["not both"]),
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
+    ({"messages": CHAT, "n": -1}, "n", ["n must be"]),
+    ({"messages": CHAT, "n": 100}, "n", ["n=100", "max_num_seqs"]),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", ["top_logprobs", "[0, 20]"]),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs", ["top_logprobs"]),
+    ({"messages": CHAT, "logprobs": 3}, "logprobs", ["true or false"]),
 ])
 def test_bad_chat_requests_get_openai_errors_naming_the_field(tiny_server, body, param, words):
     server, _ = tiny_server
@@ -239,11 +325,13 @@ def request_bytes(server, path: str, body: dict) -> bytes:
             f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(tiny_server, stream):
+def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(tiny_server, stream, n):
     server, llm = tiny_server
     before = metrics(server).get('labkit_requests_total{finished_reason="abort"}', 0)
-    body = {"prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    body = {"prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True, "stream": stream, "n": n,
+            "logprobs": 2 if n > 1 else None}  # every sample's blocks, shared (copy-on-write) or not
     host, port = server.url[7:].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(request_bytes(server, "/v1/completions", body))

@@ -12,6 +12,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import replace
 
 import anyio
@@ -68,6 +69,7 @@ class _Server:
     def __init__(self, llm: LLM, engine: EngineLoop, model_name: str, limits: Limits):
         self.llm, self.engine, self.model_name, self.limits = llm, engine, model_name, limits
         self.max_model_len = llm.scheduler.config.max_model_len
+        self.max_num_seqs = llm.scheduler.config.max_num_seqs
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.longest_token_bytes = max(len(token) for token in llm.tokenizer.vocab)
         self.created = int(time.time())
@@ -103,8 +105,7 @@ class _Server:
         echo = ""
         if parsed.echo:
             echo = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)
-        answer = _Answer("cmpl", "text_completion", self.model_name, parsed.include_usage,
-                         lambda text, final: {"text": text, "logprobs": None})
+        answer = _Answer("cmpl", "text_completion", self.model_name, parsed.include_usage, _completion_choice)
         return await self._respond(request, answer, ids, params, parsed.stream, echo)
 
     async def chat(self, request: Request) -> Response:
@@ -118,7 +119,8 @@ class _Server:
             params = self._fill_max_tokens(parsed.params, parsed.max_tokens_given, len(ids))
         except RequestError as error:
             return error_response(error)
-        answer = _Answer("chatcmpl", "chat.completion", self.model_name, parsed.include_usage, _chat_choice)
+        answer = _Answer("chatcmpl", "chat.completion", self.model_name, parsed.include_usage,
+                         _chat_choice(parsed.top_logprobs))
         return await self._respond(request, answer, ids, params, parsed.stream)
 
     # --- checks ----------------------------------------------------------------------------------
@@ -165,7 +167,11 @@ class _Server:
                             "prompt tokens", param, code="context_length_exceeded")
 
     def _fill_max_tokens(self, params, given: bool, num_prompt_tokens: int):
-        """Without max_tokens a request may fill the context; with it, it must fit there."""
+        """Without max_tokens a request may fill the context; with it, it must fit there. (Checked
+        here too: the n samples must be able to run at once, as the engine requires.)"""
+        if params.n > self.max_num_seqs:
+            raise RequestError(f"n={params.n} samples cannot run at once on this server (its max_num_seqs is "
+                               f"{self.max_num_seqs})", "n")
         room = self.max_model_len - num_prompt_tokens
         if not given:
             return replace(params, max_tokens=room)
@@ -207,7 +213,13 @@ async def _first_delta(deltas):
 
 
 class _Answer:
-    """One response's ids and shape, in both its forms: one JSON object, or a stream of chunks."""
+    """One response's ids and shape, in both its forms: one JSON object, or a stream of chunks.
+
+    A request with `n` samples answers with `n` choices; its deltas come interleaved, each naming
+    its sample, and so do the stream's chunks. `choice(text, final, logprobs, offset)` shapes one
+    choice's body for the route; `offset` is where the text starts in the choice's whole text
+    (the completions route's `text_offset`).
+    """
 
     def __init__(self, prefix: str, kind: str, model: str, include_usage: bool, choice):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -219,44 +231,97 @@ class _Answer:
                 **extra}
 
     async def collect(self, first, deltas, prefix: str) -> JSONResponse:
-        pieces, delta = [prefix, first.text], first
+        texts, logprobs, last = defaultdict(lambda: [prefix]), defaultdict(list), {}
         async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                pieces.append(delta.text)
-        choice = {"index": 0, **self.choice("".join(pieces), True), "finish_reason": delta.finish_reason}
-        return JSONResponse(self._envelope(self.kind, [choice], usage=_usage(delta)))
+            async for delta in _chain(first, deltas):
+                texts[delta.index].append(delta.text)
+                if delta.logprobs is not None:
+                    logprobs[delta.index] += delta.logprobs
+                if delta.finish_reason is not None:
+                    last[delta.index] = delta
+        choices = [{"index": i, **self.choice("".join(texts[i]), True, logprobs.get(i, last[i].logprobs),
+                                              len(prefix)), "finish_reason": last[i].finish_reason}
+                   for i in sorted(last)]
+        return JSONResponse(self._envelope(self.kind, choices, usage=_usage(last.values())))
 
     async def events(self, first, deltas, prefix: str):
         """Server-sent events; leaving early (the client went away) closes `deltas`, which aborts the request."""
         chunk_kind = self.kind + ".chunk" if self.kind == "chat.completion" else self.kind
+        extra = {"usage": None} if self.include_usage else {}
+        offsets, last = {}, {}  # per sample: where its next text starts; its final delta
         async with contextlib.aclosing(deltas):
-            if self.kind == "chat.completion":  # OpenAI's first chat chunk names the role
-                yield _event(self._envelope(chunk_kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                          "logprobs": None, "finish_reason": None}]))
-            delta, pending = first, prefix + first.text
-            while True:
-                if pending or delta.finish_reason is not None:
-                    choice = {"index": 0, **self.choice(pending, False), "finish_reason": delta.finish_reason}
-                    extra = {"usage": None} if self.include_usage else {}
+            async for delta in _chain(first, deltas):
+                i = delta.index
+                text = delta.text
+                if i not in offsets:
+                    if self.kind == "chat.completion":  # OpenAI's first chat chunk of a choice names the role
+                        yield _event(self._envelope(chunk_kind, [{
+                            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}]))
+                    offsets[i], text = 0, prefix + text
+                if text or delta.logprobs or delta.finish_reason is not None:
+                    choice = {"index": i, **self.choice(text, False, delta.logprobs, offsets[i]),
+                              "finish_reason": delta.finish_reason}
                     yield _event(self._envelope(chunk_kind, [choice], **extra))
+                offsets[i] += len(text)
                 if delta.finish_reason is not None:
-                    break
-                delta = await anext(deltas)
-                pending = delta.text
+                    last[i] = delta
         if self.include_usage:
-            yield _event(self._envelope(chunk_kind, [], usage=_usage(delta)))
+            yield _event(self._envelope(chunk_kind, [], usage=_usage(last.values())))
         yield "data: [DONE]\n\n"
 
 
-def _chat_choice(text: str, final: bool) -> dict:
-    if final:
-        return {"message": {"role": "assistant", "content": text}, "logprobs": None}
-    return {"delta": {"content": text} if text else {}, "logprobs": None}
+async def _chain(first, rest):
+    yield first
+    async for item in rest:
+        yield item
 
 
-def _usage(delta) -> dict:
-    return {"prompt_tokens": delta.num_prompt_tokens, "completion_tokens": delta.num_output_tokens,
-            "total_tokens": delta.num_prompt_tokens + delta.num_output_tokens}
+def _completion_choice(text: str, final: bool, logprobs: list | None, offset: int) -> dict:
+    """OpenAI's legacy logprobs: the sampled tokens, their logprobs, each position's top tokens
+    (as vLLM sends them: the sampled token and the `logprobs` best) and where each token starts."""
+    if logprobs is None:
+        return {"text": text, "logprobs": None}
+    tokens, sampled, offsets = [], [], []
+    for position in logprobs:
+        token = next(iter(position.values()))  # the engine puts the sampled token first
+        tokens.append(token.decoded_token)
+        sampled.append(token.logprob)
+        offsets.append(offset)
+        offset += len(token.decoded_token)
+    top = [{entry.decoded_token: entry.logprob for entry in position.values()} for position in logprobs]
+    return {"text": text, "logprobs": {"tokens": tokens, "token_logprobs": sampled, "top_logprobs": top,
+                                       "text_offset": offsets}}
+
+
+def _chat_choice(num_top: int | None):
+    """The chat route's choice shape; `num_top` is the request's top_logprobs (None: no logprobs)."""
+    def choice(text: str, final: bool, logprobs: list | None, offset: int) -> dict:
+        content = None if logprobs is None else [_chat_logprob(position, num_top) for position in logprobs]
+        wrapped = None if content is None else {"content": content}
+        if final:
+            return {"message": {"role": "assistant", "content": text}, "logprobs": wrapped}
+        return {"delta": {"content": text} if text else {}, "logprobs": wrapped}
+    return choice
+
+
+def _chat_logprob(position: dict, num_top: int) -> dict:
+    entries = list(position.values())
+    sampled = entries[0]  # the engine puts the sampled token first, then the top ones unless it is one
+    top = entries[1:] if len(entries) > num_top else sorted(entries, key=lambda e: e.rank)
+    return {**_token_logprob(sampled), "top_logprobs": [_token_logprob(e) for e in top]}
+
+
+def _token_logprob(entry) -> dict:
+    return {"token": entry.decoded_token, "logprob": entry.logprob, "bytes": list(entry.decoded_token.encode())}
+
+
+def _usage(finals) -> dict:
+    """Every sample's tokens count: the prompt once, each of the n completions."""
+    finals = list(finals)
+    prompt = finals[0].num_prompt_tokens if finals else 0
+    completion = sum(delta.num_output_tokens for delta in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _event(data: dict) -> str:

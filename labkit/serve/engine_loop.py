@@ -41,12 +41,15 @@ class EngineStopped(Exception):
 
 @dataclass(frozen=True)
 class Delta:
-    """New text for one request; the last one carries its finish reason and token counts."""
+    """New text for one of a request's `n` samples; each sample's last one carries its finish reason
+    and token counts. The request is over once every sample has sent its last."""
 
     text: str
+    index: int = 0  # which sample (OpenAI's choice index)
     finish_reason: str | None = None  # OpenAI's: "stop" or "length"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list | None = None  # the engine's PositionLogprobs of the tokens since the last delta, if asked
 
 
 @dataclass
@@ -57,7 +60,11 @@ class _Request:
     stream: bool  # send text as it grows, or only the final Delta (with all of it)
     submitted_at: float  # perf_counter when the server accepted it: TTFT counts queueing here too
     engine_id: int | None = None
-    sent: int = 0  # characters of text already sent
+    sent: list[int] | None = None  # per sample: characters of text already sent
+    sent_tokens: list[int] | None = None  # per sample: tokens whose logprobs were already sent
+
+    def __post_init__(self):
+        self.sent, self.sent_tokens = [0] * self.params.n, [0] * self.params.n
 
 
 class EngineLoop:
@@ -111,14 +118,15 @@ class EngineLoop:
             raise QueueFull(f"{self.num_waiting} requests are already waiting (the limit is {self.max_waiting})")
         request = _Request(prompt, params, asyncio.Queue(), stream, time.perf_counter())
         self._send("add", request_id, request)
-        finished = False
+        finished, samples_left = False, params.n
         try:
             while True:
                 item = await request.queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine has already forgotten it
                     raise item
-                finished = item.finish_reason is not None
+                samples_left -= item.finish_reason is not None
+                finished = samples_left == 0
                 yield item
                 if finished:
                     return
@@ -208,21 +216,32 @@ class EngineLoop:
             request = self._requests[request_id]
             out = finished.get(engine_id)
             if out is not None:
-                items.append((request, self._finish(request_id, request, out)))
+                items += [(request, delta) for delta in self._finish(request_id, request, out)]
             elif request.stream:
-                text = self.llm.request_output(engine_id).text
-                # Text is held back while a stop string might still be forming at its end.
-                ready = len(text) - max((len(s) - 1 for s in request.params.stop), default=0)
-                if ready > request.sent:
-                    items.append((request, Delta(text[request.sent:ready])))
-                    request.sent = ready
+                # Text is held back while a stop string might still be forming at its end; a sample
+                # that finished early sends its last text when the whole request does.
+                holdback = max((len(s) - 1 for s in request.params.stop), default=0)
+                for sample in self.llm.request_output(engine_id).outputs:
+                    if not sample.finished and len(sample.text) - holdback > request.sent[sample.index]:
+                        items.append((request, self._delta(request, sample, len(sample.text) - holdback)))
         self._deliver_all(items)
 
-    def _finish(self, request_id: str, request: _Request, out: RequestOutput) -> Delta:
+    @staticmethod
+    def _delta(request: _Request, sample, upto: int, **final) -> Delta:
+        """Sample's text from where the last delta left it up to `upto`, with the logprobs of its new tokens."""
+        i, tokens = sample.index, len(sample.token_ids)
+        logprobs = None if sample.logprobs is None else sample.logprobs[request.sent_tokens[i]:tokens]
+        delta = Delta(sample.text[request.sent[i]:upto], i, logprobs=logprobs, **final)
+        request.sent[i], request.sent_tokens[i] = upto, tokens
+        return delta
+
+    def _finish(self, request_id: str, request: _Request, out: RequestOutput) -> list[Delta]:
         del self._requests[request_id], self._by_engine_id[out.request_id]
-        reason = "length" if out.finish_reason is FinishReason.MAX_TOKENS else "stop"  # OpenAI has no "eos"
+        reason = _openai_reason(out.outputs[0])
         self.metrics.finished(request.submitted_at, reason, out.metrics)  # before the client can hear of it
-        return Delta(out.text[request.sent:], reason, len(out.prompt_token_ids), len(out.token_ids))
+        return [self._delta(request, sample, len(sample.text), finish_reason=_openai_reason(sample),
+                            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(sample.token_ids))
+                for sample in out.outputs]
 
     def _shutdown(self) -> None:
         """Abort every request still here and tell its client, so no handler waits forever."""
@@ -239,6 +258,10 @@ class EngineLoop:
         self._requests.clear()
         self._by_engine_id.clear()
         self._pending.clear()
+
+
+def _openai_reason(sample) -> str:
+    return "length" if sample.finish_reason is FinishReason.MAX_TOKENS else "stop"  # OpenAI has no "eos"
 
 
 def _put_all(items) -> None:

@@ -1,8 +1,8 @@
 """OpenAI's request bodies, checked and turned into what the engine understands.
 
 Every field of a request body is looked up in one of four tables below, so the server's contract
-reads in one place and growing it (when the engine learns `n > 1` or logprobs) is a one-line move
-from `UNSUPPORTED` to `SAMPLING_FIELDS`:
+reads in one place and growing it (when the engine learns a new field) is a one-line move from
+`UNSUPPORTED` to `SAMPLING_FIELDS`:
 
 - `SAMPLING_FIELDS`: passed on to `SamplingParams` (which validates them; its message names the field).
 - `REQUEST_FIELDS`: read by the server itself (the prompt, `stream`, `echo`, ...).
@@ -13,7 +13,7 @@ from `UNSUPPORTED` to `SAMPLING_FIELDS`:
 Anything else is refused as OpenAI does: "Unrecognized request argument supplied: <name>".
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from labkit.sampling import SamplingParams
 
@@ -36,18 +36,17 @@ SAMPLING_FIELDS = {
     "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty", "seed": "seed",
-    "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+    "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n",
 }
-COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "echo"}
-CHAT_FIELDS = {"model", "messages", "stream", "stream_options"}
+# The legacy completions route's `logprobs` is a count (SamplingParams' own); the chat route's is a
+# switch, with the count in `top_logprobs`.
+COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "echo", "logprobs"}
+CHAT_FIELDS = {"model", "messages", "stream", "stream_options", "logprobs", "top_logprobs"}
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
            "safety_identifier"}
 # field -> (its "off" values, why it is refused otherwise)
 UNSUPPORTED = {
-    "n": ((None, 1), "labkit's engine generates one completion per request; send n=1 or leave it out"),
-    "best_of": ((None, 1), "labkit's engine generates one completion per request; best_of must be 1"),
-    "logprobs": ((None, False, 0), "labkit's server does not return logprobs yet"),
-    "top_logprobs": ((None, 0), "labkit's server does not return logprobs yet"),
+    "best_of": ((None, 1), "labkit's server returns every sample it draws (ask for n); best_of must be 1"),
     "logit_bias": ((None, {}), "labkit's engine has no logit_bias"),
     "suffix": ((None, ""), "labkit's engine does not insert text (no suffix)"),
     "tools": ((None, []), "labkit's server has no tool calling"),
@@ -102,7 +101,10 @@ def parse_completion(body: dict, model_name: str) -> CompletionRequest:
     else:
         raise RequestError(f"prompt must be a string or a list of token ids, got {_json_type(prompt)}", "prompt")
     echo = _bool(body, "echo")
-    return CompletionRequest(prompt, _sampling(body), _bool(body, "stream"), _include_usage(body), echo,
+    params = _sampling(body)
+    if body.get("logprobs") is not None:
+        params = _with_logprobs(params, body["logprobs"], "logprobs")
+    return CompletionRequest(prompt, params, _bool(body, "stream"), _include_usage(body), echo,
                              _max_tokens_given(body))
 
 
@@ -113,6 +115,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     max_tokens_given: bool
+    top_logprobs: int | None  # None: no logprobs asked
 
 
 def parse_chat(body: dict, model_name: str) -> ChatRequest:
@@ -131,8 +134,22 @@ def parse_chat(body: dict, model_name: str) -> ChatRequest:
             raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
         checked.append({"role": "system" if role == "developer" else role,
                         "content": _message_text(message.get("content"), f"{where}.content")})
-    return ChatRequest(checked, _sampling(body), _bool(body, "stream"), _include_usage(body),
-                       _max_tokens_given(body))
+    params, top_logprobs = _sampling(body), None
+    if _bool(body, "logprobs"):
+        top_logprobs = body.get("top_logprobs") or 0
+        params = _with_logprobs(params, top_logprobs, "top_logprobs")
+    elif body.get("top_logprobs") not in (None, 0):
+        raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+    return ChatRequest(checked, params, _bool(body, "stream"), _include_usage(body), _max_tokens_given(body),
+                       top_logprobs)
+
+
+def _with_logprobs(params: SamplingParams, count, name: str) -> SamplingParams:
+    """`params` asking for `count` top logprobs per token; SamplingParams checks the range, named `name`."""
+    try:
+        return replace(params, logprobs=count)
+    except (TypeError, ValueError) as error:
+        raise RequestError(f"{name}: {error}", name) from None
 
 
 def _message_text(content, where: str) -> str:
