@@ -487,3 +487,15 @@ def test_a_course_under_tmp_is_bound_back_into_the_sandbox(monkeypatch):
     needed = sandbox._needed_under_scratch()
     assert needed[0] == Path("/tmp/ci/course") and Path("/tmp/ci/course/.venv") not in needed
     assert all(not p.is_relative_to("/tmp/ci/course") or p == Path("/tmp/ci/course") for p in needed)
+
+
+def test_numpy_arrays_and_generators_cross_the_codec():
+    """Lab 16 hands the student a numpy Generator and gets an array back: both must travel as data."""
+    import numpy as np
+
+    rng, array = np.random.default_rng(3), np.arange(6.0).reshape(2, 3)
+    got_rng, got_array = Decoder().decode(loads(dumps(Encoder().encode([rng, array]))))
+    assert got_rng.random() == np.random.default_rng(3).random()
+    assert got_array.dtype == array.dtype and np.array_equal(got_array, array)
+    with pytest.raises(CodecError, match="unknown numpy bit generator"):
+        Decoder().decode(loads(dumps({"t": "np_generator", "state": json.dumps({"bit_generator": "os.system"})})))

@@ -2,7 +2,8 @@
 
 Nothing is unpickled: a message is JSON built from a closed set of node types (None, bool, int,
 float, str, bytes, list, tuple, dict, OrderedDict, deque, set, frozenset, torch tensors, dtypes,
-devices and generators, and the course's registered dataclasses such as `Block`), so decoding
+devices and generators, numpy arrays and generators, and the course's registered dataclasses such
+as `Block`), so decoding
 student data can only ever produce those. Shared references survive (two tensors viewing one
 storage stay views of one storage; a `Block` in two lists is one object), and a reply can describe
 the arguments' new contents so the caller's own objects are updated in place: graders check that
@@ -21,6 +22,7 @@ import math
 import sys
 from collections import OrderedDict, deque
 
+import numpy as np
 import torch
 
 MAX_MESSAGE_BYTES = 512 * 2**20
@@ -153,6 +155,11 @@ class Encoder:
         elif kind is torch.Generator:
             node.update(t="generator", device=str(value.device),
                         state=base64.b64encode(_storage_bytes(value.get_state().untyped_storage())).decode())
+        elif kind is np.ndarray and not value.dtype.hasobject:
+            node.update(t="ndarray", dtype=value.dtype.str, shape=list(value.shape),
+                        b=base64.b64encode(np.ascontiguousarray(value).tobytes()).decode())
+        elif kind is np.random.Generator:
+            node.update(t="np_generator", state=json.dumps(value.bit_generator.state))
         elif isinstance(value, torch.UntypedStorage):
             node.update(t="storage", device=str(value.device), b=base64.b64encode(_storage_bytes(value)).decode())
         elif dataclasses.is_dataclass(kind) and _registered(kind):
@@ -232,6 +239,13 @@ class Decoder:
             return obj
         elif t == "generator":
             obj = self._remember(node, torch.Generator(_device(node["device"])))
+        elif t == "ndarray":
+            dtype = np.dtype(node["dtype"])
+            if dtype.hasobject:
+                raise CodecError("numpy arrays of Python objects are not carried")
+            obj = self._remember(node, np.empty([int(n) for n in node["shape"]], dtype=dtype))
+        elif t == "np_generator":
+            obj = self._remember(node, np.random.Generator(_numpy_bit_generator(node["state"])))
         elif t == "obj":
             cls = _resolve_type(node["type"], self.may_import)
             obj = self._remember(node, object.__new__(cls))
@@ -262,6 +276,13 @@ class Decoder:
                               torch.empty(0, dtype=torch.uint8))
             except RuntimeError as error:
                 raise CodecError(f"invalid generator state: {error}") from None
+        elif isinstance(obj, np.ndarray) and t == "ndarray":
+            data = base64.b64decode(node["b"], validate=True)
+            if len(data) != obj.nbytes or np.dtype(node["dtype"]) != obj.dtype:
+                raise CodecError("a numpy array came back with another size or dtype")
+            obj[...] = np.frombuffer(data, dtype=obj.dtype).reshape(obj.shape)
+        elif isinstance(obj, np.random.Generator) and t == "np_generator":
+            obj.bit_generator.state = _numpy_bit_generator(node["state"]).state
         elif isinstance(obj, torch.UntypedStorage) and t == "storage":
             data = base64.b64decode(node["b"], validate=True)
             if len(data) != obj.nbytes():
@@ -324,3 +345,20 @@ def loads(text: str):
 
 def _no_constant(name: str):
     raise CodecError(f"bare {name} is not allowed (floats travel as nodes)")
+
+
+_NUMPY_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def _numpy_bit_generator(text: str):
+    """A numpy bit generator in the state `text` describes (one of numpy's own kinds only)."""
+    try:
+        state = json.loads(text)
+        name = state["bit_generator"]
+        if name not in _NUMPY_BIT_GENERATORS:
+            raise CodecError(f"unknown numpy bit generator {name!r}")
+        bit_generator = getattr(np.random, name)()
+        bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as error:
+        raise CodecError(f"invalid numpy generator state: {error}") from None
+    return bit_generator
