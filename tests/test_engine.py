@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from engine_support import assert_no_leak
 
 from labkit.engine import LLM, FinishReason
 from labkit.model import load_model
@@ -51,10 +52,6 @@ def engine(smollm2, **kwargs):
     return LLM(model, tokenizer=tokenizer, **kwargs)
 
 
-def assert_no_leak(llm):
-    assert not llm.has_unfinished_requests()
-    llm.block_manager.check_invariants([])
-    assert llm.block_manager.num_used_blocks == 0
 
 
 def test_greedy_matches_transformers_and_prefix_cache_hits_agree(smollm2):

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from engine_support import assert_no_leak
 
 from labkit.engine import LLM
 from labkit.model import load_model
@@ -34,10 +35,6 @@ def engine(smollm2, **kwargs):
     return LLM(model, tokenizer=tokenizer, **kwargs)
 
 
-def assert_no_leak(llm):
-    assert not llm.has_unfinished_requests()
-    llm.block_manager.check_invariants([])
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "KV blocks leaked"
 
 
 def hf_logprobs(hf, token_ids):

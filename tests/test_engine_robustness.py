@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from engine_support import assert_no_leak, step_through_interrupts
 
 from labkit.engine import LLM, FinishReason
 from labkit.model import DecoderModel, ModelConfig
@@ -47,11 +48,6 @@ def prompt(i, length=6):
     return [100 + (7 * i + j) % 900 for j in range(length)]
 
 
-def assert_no_leak(llm):
-    assert not llm.has_unfinished_requests()
-    assert not llm._requests and not llm._outputs and not llm._claimed
-    llm.block_manager.check_invariants([])
-    assert llm.block_manager.num_used_blocks == 0
 
 
 def alone(tiny, prompts, params):
@@ -169,14 +165,7 @@ def test_an_interrupt_anywhere_in_a_step_loses_and_repeats_nothing(tiny, monkeyp
     owner, name, every = POINTS[point](llm)
     interrupter = Interrupter(getattr(owner, name), every, after=point.startswith("after"))
     monkeypatch.setattr(owner, name, interrupter)
-    outputs, steps = {}, 0
-    while llm.has_unfinished_requests():
-        steps += 1
-        assert steps < 200
-        try:
-            outputs.update((o.request_id, o) for o in llm.step())
-        except KeyboardInterrupt:
-            pass
+    outputs = step_through_interrupts(llm, max_steps=200)
     assert interrupter.fired >= 2
     assert [outputs[i].token_ids for i in ids] == expected
     assert all(outputs[i].finish_reason is FinishReason.MAX_TOKENS for i in ids)
@@ -379,14 +368,7 @@ def test_an_interrupt_while_forking_samples_loses_and_repeats_nothing(tiny, monk
     owner, name, every = FORK_POINTS[point](llm)
     interrupter = Interrupter(getattr(owner, name), every, after=point.startswith("after"))
     monkeypatch.setattr(owner, name, interrupter)
-    outputs, steps = {}, 0
-    while llm.has_unfinished_requests():
-        steps += 1
-        assert steps < 300
-        try:
-            outputs.update((o.request_id, o) for o in llm.step())
-        except KeyboardInterrupt:
-            pass
+    outputs = step_through_interrupts(llm, max_steps=300)
     assert interrupter.fired >= 1
     assert [samples_of(outputs[i]) for i in ids] == expected
     assert_no_leak(llm)
