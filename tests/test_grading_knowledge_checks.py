@@ -19,6 +19,7 @@ RIGHT = {
     "09": {1: "b", 2: 224, 3: 2, 4: "b", 5: "b"},
     "10": {1: 7, 2: 2, 3: "b", 4: "b", 5: "c"},
     "11": {1: 7, 2: 1, 3: 73, 4: "b", 5: "a"},
+    "12": {1: 7680, 2: 299, 3: "a", 4: "c", 5: "b"},
 }
 
 # Wrong answers a student might give, each with the misconception behind it: {question: answer}.
@@ -122,6 +123,16 @@ WRONG = {
         ({3: 9}, "used the block id"),
         ({4: "a"}, "confuses length with EOS"),
         ({5: "b"}, "thinks the cache skips decode"),
+    ],
+    "12": [
+        ({1: 23040}, "kept SmolLM2's 3 K/V heads"),
+        ({1: 3840}, "counted K only"),
+        ({1: 256}, "counted one layer"),
+        ({2: 298}, "rounded the ridge down: 298 is still below it"),
+        ({2: 597}, "used float32 weights"),
+        ({3: "b"}, "blames attention for a batch-1 step"),
+        ({4: "a"}, "thinks repeating heads loses information"),
+        ({5: "a"}, "forgets that K/V reads grow with the batch"),
     ],
 }
 

@@ -38,7 +38,8 @@ def run(bin_dir, cwd, code: str) -> str:
 def test_the_wheel_carries_the_data_and_the_license(installed):
     _, _, wheel = installed
     names = zipfile.ZipFile(wheel).namelist()
-    for data in ("jargon_file_4.4.7.txt", "worked_example.json", "README.md", "build_worked_example.py"):
+    for data in ("jargon_file_4.4.7.txt", "worked_example.json", "heldout_essay.txt", "README.md",
+                 "build_worked_example.py"):
         assert f"labkit/data/{data}" in names
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in metadata

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from labkit.cache import KVCache, PreallocatedKVCache
+from labkit.data import HELDOUT_ESSAY, data_path
 from labkit.model import generate, load_model
+from labkit.model.perplexity import perplexity
 from labkit.model.transformers_oracle import load_transformers_model
 
 PROMPTS = [
@@ -42,6 +44,15 @@ def test_logits_match_transformers(smollm2, text):
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
     assert (model(ids) - expected).abs().max() < 1e-4
+
+
+def test_perplexity_matches_transformers_loss(smollm2):
+    """Lab 12's perplexity on (the start of) its held-out text: exp of transformers' own shifted loss."""
+    tokenizer, hf, model = smollm2
+    ids = tokenizer(data_path(HELDOUT_ESSAY).read_text())["input_ids"][:256]
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss
+    assert perplexity(model, ids) == pytest.approx(torch.exp(loss).item(), rel=1e-4)
 
 
 def test_greedy_64_tokens_match_transformers(smollm2):

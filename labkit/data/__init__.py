@@ -9,6 +9,7 @@ from pathlib import Path
 
 JARGON_FILE = "jargon_file_4.4.7.txt"  # ~1 MB of English for training a BPE tokenizer (Lab 01)
 WORKED_EXAMPLE = "worked_example.json"  # the book's tiny model and its printed numbers (Labs 03, 04)
+HELDOUT_ESSAY = "heldout_essay.txt"  # ~1,000 tokens of English no model has seen, for perplexity (Lab 12)
 
 
 def data_path(name: str) -> Path:

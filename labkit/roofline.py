@@ -1,0 +1,107 @@
+"""The roofline: what a machine can compute and stream, and where a model's steps fall on it.
+
+A step that does F floating-point operations and moves B bytes between memory and the cores takes
+at least max(F / peak, B / bandwidth): its arithmetic intensity F / B decides which term wins. The
+machine's two numbers are measured here on the machine itself (they differ from every datasheet);
+a step's F and B are counted from the model's shape.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from labkit.model.config import ModelConfig
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first-call allocation and dispatch are not the steady state
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_matmul_flops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, repeats: int = 5,
+                         device: torch.device | str = "cpu") -> float:
+    """FLOP/s of torch.matmul on [m, k] @ [k, n] (2*m*k*n operations), best of `repeats` runs."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def run():
+        torch.matmul(a, b, out=out)
+        sync()
+
+    return 2 * m * k * n / _best_seconds(run, repeats)
+
+
+def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5,
+                           device: torch.device | str = "cpu") -> float:
+    """Bytes/s streamed by summing a float32 tensor far larger than the caches, best of `repeats`."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def run():
+        x.sum()
+        sync()
+
+    return x.numel() * 4 / _best_seconds(run, repeats)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one forward pass costs: operations and bytes moved between memory and the cores."""
+
+    flops: float
+    bytes_moved: float
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per byte: where the step sits on the roofline's horizontal axis."""
+        return self.flops / self.bytes_moved
+
+
+def _linear_params_per_layer(c: ModelConfig) -> int:
+    qkv_and_out = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return qkv_and_out + 3 * c.hidden_size * c.intermediate_size
+
+
+def weight_bytes(c: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of every weight a forward pass reads once (the tied LM head counts once)."""
+    return (c.num_layers * _linear_params_per_layer(c) + c.vocab_size * c.hidden_size) * dtype_bytes
+
+
+def step_cost(c: ModelConfig, num_new_tokens: int, context_per_token: float, num_sequences: int,
+              context_len: int, dtype_bytes: int) -> StepCost:
+    """One forward pass over `num_new_tokens` tokens (of `num_sequences` sequences together).
+
+    FLOPs: 2 per weight per token in the linear layers and the LM head, plus attention's QK^T and
+    PV (2 * 2 * num_heads * head_dim per attended position, `context_per_token` on average).
+    Bytes: every weight once, plus the K/V of `context_len` tokens per sequence read once. Small
+    terms (norms, rotary, activations) are left out.
+    """
+    linear = c.num_layers * _linear_params_per_layer(c) + c.vocab_size * c.hidden_size
+    attention = c.num_layers * 4 * c.num_heads * c.head_dim * context_per_token
+    flops = num_new_tokens * (2 * linear + attention)
+    kv_read = num_sequences * context_len * c.kv_cache_bytes_per_token(dtype_bytes)
+    return StepCost(flops, weight_bytes(c, dtype_bytes) + kv_read)
+
+
+def prefill_cost(c: ModelConfig, prompt_len: int, dtype_bytes: int = 4) -> StepCost:
+    """A causal prefill of one prompt: token t attends to t + 1 positions, (T + 1) / 2 on average."""
+    return step_cost(c, prompt_len, (prompt_len + 1) / 2, 1, 0, dtype_bytes)
+
+
+def decode_cost(c: ModelConfig, batch: int, context_len: int, dtype_bytes: int = 4) -> StepCost:
+    """One decode step of `batch` sequences, each attending to `context_len` cached tokens."""
+    return step_cost(c, batch, context_len, batch, context_len, dtype_bytes)
+
+
+# A fixed machine for results that must not depend on the one a lab runs on: roughly an H100 SXM's
+# dense bf16 peak and its HBM3 bandwidth, rounded.
+ILLUSTRATIVE_PEAK_FLOPS = 1.0e15
+ILLUSTRATIVE_BANDWIDTH = 3.35e12
