@@ -1,7 +1,8 @@
-"""Lab 09: prefix caching's hash chain, the prefix lookup and LRU eviction."""
+"""Lab 09: prefix caching's hash chain, the prefix lookup, LRU eviction, allocating and releasing a table."""
 
 from catalogue import Right, Wrong
-from labkit.cache.block_manager import BlockManager, hash_block
+from labkit.cache.block_manager import BlockManager, KVCacheExhausted, hash_block
+from labkit.cache.sequence_blocks import BlockSequence
 from labkit.grading.labs.lab09 import _reference_chain
 
 
@@ -96,6 +97,95 @@ def labkit_prefix_hits(token_ids, block_size, hash_to_block, blocks):
     return [b.block_id for b in manager.prefix_hits(token_ids)]
 
 
+def allocate(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached, revive_first=True,
+             unlink=True, share=True, cost="fresh+revived", check_early=True, answer="tokens"):
+    hits = lookup(token_ids, block_size, hash_to_block, blocks)
+    needed = -(-len(token_ids) // block_size)
+    free = len(free_uncached) + len(free_cached)
+    consumed = {"fresh+revived": needed - sum(blocks[b].ref_count > 0 for b in hits),
+                "all": needed, "fresh": needed - len(hits)}[cost]
+    if check_early and consumed > free:
+        raise KVCacheExhausted(f"{needed} blocks needed, {free} free")
+
+    def revive():
+        for block_id in hits:
+            if blocks[block_id].ref_count == 0 and unlink:
+                del free_cached[block_id]
+            blocks[block_id].ref_count = blocks[block_id].ref_count + 1 if share else 1
+
+    if revive_first:
+        revive()
+    if not check_early and needed - len(hits) > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted("too late")
+    fresh = [take(free_uncached, free_cached, hash_to_block, blocks) for _ in range(needed - len(hits))]
+    if not revive_first:
+        revive()
+    return hits + fresh, len(hits) * (block_size if answer == "tokens" else 1)
+
+
+def allocate_all_or_nothing(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached):
+    """Plans first (which hits revive a free block, how many fresh blocks), then commits."""
+    hits = lookup_while(token_ids, block_size, hash_to_block, blocks)
+    revived = [b for b in hits if blocks[b].ref_count == 0]
+    fresh_count = -(-len(token_ids) // block_size) - len(hits)
+    if len(revived) + fresh_count > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted(f"needs {len(revived) + fresh_count} free blocks")
+    for block_id in revived:
+        free_cached.pop(block_id)
+    for block_id in hits:
+        blocks[block_id].ref_count += 1
+    table = list(hits)
+    while len(table) * block_size < len(token_ids):
+        table.append(take_explicit(free_uncached, free_cached, hash_to_block, blocks))
+    return table, len(hits) * block_size
+
+
+def labkit_allocate(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached):
+    manager = BlockManager(len(blocks), block_size)
+    manager.blocks, manager.hash_to_block = blocks, hash_to_block
+    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    seq = BlockSequence("s", list(token_ids))
+    manager.allocate(seq)
+    return seq.block_table, seq.num_cached_tokens
+
+
+def release(block_table, hash_to_block, blocks, free_uncached, free_cached, *, reverse=True, shared_aware=True,
+            keep_cache=True, cache_partial=False, check_entry=True, clear=True):
+    for block_id in (reversed(block_table) if reverse else block_table):
+        block = blocks[block_id]
+        block.ref_count = block.ref_count - 1 if shared_aware else 0
+        if block.ref_count > 0:
+            continue
+        cacheable = block.hash is not None and (not check_entry or hash_to_block.get(block.hash) == block_id)
+        if keep_cache and (cacheable or cache_partial):
+            free_cached[block_id] = None
+        else:
+            if clear:
+                block.hash = block.token_ids = None
+            free_uncached.append(block_id)
+
+
+def release_by_index(block_table, hash_to_block, blocks, free_uncached, free_cached):
+    for i in range(len(block_table) - 1, -1, -1):
+        block = blocks[block_table[i]]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            reachable = block.hash in hash_to_block and hash_to_block[block.hash] == block.block_id
+            if reachable:
+                free_cached[block.block_id] = None
+            else:
+                block.hash, block.token_ids = None, None
+                free_uncached.append(block.block_id)
+
+
+def labkit_release(block_table, hash_to_block, blocks, free_uncached, free_cached):
+    manager = BlockManager(len(blocks), 2)
+    manager.blocks, manager.hash_to_block = blocks, hash_to_block
+    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    seq = BlockSequence("s", [], list(block_table))
+    manager.deallocate(seq)
+
+
 RIGHT = [
     Right("chain_hashes", "index loop carrying the previous hash", chain),
     Right("chain_hashes", "slices of the full part, chained through the list", chain_by_slices),
@@ -103,6 +193,10 @@ RIGHT = [
     Right("cached_prefix_blocks", "while loop with an early return", lookup_while),
     Right("take_free_block", "popitem(last=False)", take),
     Right("take_free_block", "explicit branches on the Block object", take_explicit),
+    Right("allocate_blocks", "lookup, count, revive, take", allocate),
+    Right("allocate_blocks", "plan the revived and fresh blocks, then commit", allocate_all_or_nothing),
+    Right("release_blocks", "reversed() with flags", release),
+    Right("release_blocks", "index loop from the tail", release_by_index),
 ]
 
 WRONG = [
@@ -151,6 +245,37 @@ WRONG = [
     Wrong("take_free_block", "calls BlockManager._take_free_block", lambda u, c, t, b: _labkit_take(u, c, t, b),
           "`_take_free_block`",
           calls="labkit.cache.block_manager.BlockManager._take_free_block"),
+    Wrong("allocate_blocks", "takes fresh blocks before reviving the hits", lambda *a: allocate(*a, revive_first=False),
+          "revive the hits"),
+    Wrong("allocate_blocks", "leaves a revived hit in free_cached", lambda *a: allocate(*a, unlink=False),
+          "still in free_cached"),
+    Wrong("allocate_blocks", "sets a hit's ref_count to 1", lambda *a: allocate(*a, share=False),
+          "ref_count += 1"),
+    Wrong("allocate_blocks", "counts held hits as needing free blocks", lambda *a: allocate(*a, cost="all"),
+          "cost no free block"),
+    Wrong("allocate_blocks", "counts revived hits as costing nothing", lambda *a: allocate(*a, cost="fresh"),
+          "hits on free cached blocks still consume free blocks"),
+    Wrong("allocate_blocks", "checks the pool after reviving the hits", lambda *a: allocate(*a, check_early=False),
+          "the pool changed before KVCacheExhausted"),
+    Wrong("allocate_blocks", "counts cached blocks, not tokens", lambda *a: allocate(*a, answer="blocks"),
+          "counts tokens, not blocks"),
+    Wrong("allocate_blocks", "returns only the table", lambda *a: allocate(*a)[0], "return (block_table"),
+    Wrong("allocate_blocks", "calls BlockManager.allocate", labkit_allocate, "`allocate`",
+          calls="labkit.cache.block_manager.BlockManager.allocate"),
+    Wrong("release_blocks", "releases head first", lambda *a: release(*a, reverse=False),
+          "release the table from its tail"),
+    Wrong("release_blocks", "frees shared blocks outright", lambda *a: release(*a, shared_aware=False),
+          "a shared block was freed"),
+    Wrong("release_blocks", "drops every cached prefix", lambda *a: release(*a, keep_cache=False),
+          "keep it in free_cached"),
+    Wrong("release_blocks", "caches the partial block", lambda *a: release(*a, cache_partial=True),
+          "the partial block"),
+    Wrong("release_blocks", "caches a block its hash entry does not reach", lambda *a: release(*a, check_entry=False),
+          "cannot reach is not cached"),
+    Wrong("release_blocks", "keeps the old hash on an uncached block", lambda *a: release(*a, clear=False),
+          "clear them"),
+    Wrong("release_blocks", "calls BlockManager.deallocate", labkit_release, "`deallocate`",
+          calls="labkit.cache.block_manager.BlockManager.deallocate"),
 ]
 
 
