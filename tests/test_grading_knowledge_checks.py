@@ -17,7 +17,7 @@ RIGHT = {
     "07": {1: 4, 2: 14, 3: 8, 4: "b", 5: "a"},
     "08": {1: 69, 2: 2, 3: 36, 4: "a", 5: "a"},
     "09": {1: "b", 2: 224, 3: 2, 4: "b", 5: "b"},
-    "10": {1: 7, 2: 2, 3: "b", 4: "b", 5: "c"},
+    "10": {1: 7, 2: 2, 3: 1456, 4: "b", 5: "c"},
     "11": {1: 7, 2: 1, 3: 73, 4: "b", 5: "a"},
 }
 
@@ -110,7 +110,9 @@ WRONG = {
         ({1: 12}, "ignored the budget"),
         ({1: 0}, "thinks C waits"),
         ({2: 3}, "adds a step after the prefill"),
-        ({3: "c"}, "preempts the oldest"),
+        ({3: 728}, "counted 4-byte floats"),
+        ({3: 2912}, "counted K but not V"),
+        ({3: 1388}, "took 512 MiB for 512 MB"),
         ({4: "a"}, "thinks generated tokens are lost"),
         ({5: "d"}, "describes nano-vLLM"),
     ],
