@@ -186,6 +186,58 @@ def labkit_release(block_table, hash_to_block, blocks, free_uncached, free_cache
     manager.deallocate(seq)
 
 
+def append(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached, free_cached,
+           cow=True, only_shared=True, direction="forward", every_shared=False, unref=True, add_missing=True,
+           count_copy=True, check_early=True):
+    index = num_computed // block_size
+    shared = index < len(block_table) and (blocks[block_table[index]].ref_count > 1 or not only_shared)
+    missing = -(-num_tokens // block_size) - len(block_table)
+    free = len(free_uncached) + len(free_cached)
+    if check_early and missing + (shared and count_copy) > free:
+        raise KVCacheExhausted(f"{missing + shared} blocks needed, {free} free")
+    copies = []
+    targets = [i for i in range(index + 1) if blocks[block_table[i]].ref_count > 1] if every_shared else [index]
+    for i in (targets if cow and shared else []):
+        source, destination = block_table[i], take(free_uncached, free_cached, hash_to_block, blocks)
+        if unref:
+            blocks[source].ref_count -= 1
+        block_table[i] = destination
+        copies.append((source, destination) if direction == "forward" else (destination, source))
+    if not check_early and missing > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted("too late")
+    if add_missing:
+        block_table.extend(take(free_uncached, free_cached, hash_to_block, blocks) for _ in range(missing))
+    return copies
+
+
+def append_planned(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached,
+                   free_cached):
+    """Works out the whole plan (which block to copy, how many to add) before touching the pool."""
+    write = num_computed // block_size
+    copy_needed = write < len(block_table) and blocks[block_table[write]].ref_count >= 2
+    new_blocks = max(0, -(-num_tokens // block_size) - len(block_table))
+    if new_blocks + int(copy_needed) > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted("the pool cannot take the copy and the new blocks")
+    copies = []
+    if copy_needed:
+        fresh = take_explicit(free_uncached, free_cached, hash_to_block, blocks)
+        blocks[block_table[write]].ref_count -= 1
+        copies.append((block_table[write], fresh))
+        block_table[write] = fresh
+    for _ in range(new_blocks):
+        block_table.append(take_explicit(free_uncached, free_cached, hash_to_block, blocks))
+    return copies
+
+
+def labkit_append(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached,
+                  free_cached):
+    manager = BlockManager(len(blocks), block_size)
+    manager.blocks, manager.hash_to_block = blocks, hash_to_block
+    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    seq = BlockSequence("s", list(range(num_tokens)), block_table, num_computed)
+    return manager.append(seq)
+
+
 RIGHT = [
     Right("chain_hashes", "index loop carrying the previous hash", chain),
     Right("chain_hashes", "slices of the full part, chained through the list", chain_by_slices),
@@ -197,6 +249,8 @@ RIGHT = [
     Right("allocate_blocks", "plan the revived and fresh blocks, then commit", allocate_all_or_nothing),
     Right("release_blocks", "reversed() with flags", release),
     Right("release_blocks", "index loop from the tail", release_by_index),
+    Right("append_blocks", "flags over one copy and the missing blocks", append),
+    Right("append_blocks", "plan the copy and the new blocks, then commit", append_planned),
 ]
 
 WRONG = [
@@ -276,6 +330,21 @@ WRONG = [
           "clear them"),
     Wrong("release_blocks", "calls BlockManager.deallocate", labkit_release, "`deallocate`",
           calls="labkit.cache.block_manager.BlockManager.deallocate"),
+    Wrong("append_blocks", "no copy-on-write", lambda *a: append(*a, cow=False), "no copy was made"),
+    Wrong("append_blocks", "returns (destination, source)", lambda *a: append(*a, direction="backward"),
+          "return (source, destination)"),
+    Wrong("append_blocks", "copies every shared block", lambda *a: append(*a, every_shared=True),
+          "full first block was copied"),
+    Wrong("append_blocks", "the shared block keeps its reference", lambda *a: append(*a, unref=False),
+          "kept its reference count"),
+    Wrong("append_blocks", "copies a block nobody else holds", lambda *a: append(*a, only_shared=False),
+          "copy only when ref_count > 1"),
+    Wrong("append_blocks", "forgets the missing blocks", lambda *a: append(*a, add_missing=False),
+          "add the missing blocks"),
+    Wrong("append_blocks", "does not count the copy", lambda *a: append(*a, count_copy=False), "count the copy"),
+    Wrong("append_blocks", "checks after copying", lambda *a: append(*a, check_early=False), "pool changed"),
+    Wrong("append_blocks", "calls BlockManager.append", labkit_append, "`_missing_blocks`",
+          calls="labkit.cache.block_manager.BlockManager._missing_blocks"),
 ]
 
 

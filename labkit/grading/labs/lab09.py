@@ -330,6 +330,112 @@ def release_blocks(ns):
     return "one reference per block, tail first; hashed blocks stay cached, others are cleared"
 
 
+def _forked(num_blocks, block_size, prompt_len, num_children, extra=()):
+    """A prefilled prompt forked into `num_children` samples, and `extra` prompts running beside them."""
+    bm = BlockManager(num_blocks, block_size)
+    parent = BlockSequence("parent", list(range(prompt_len)))
+    bm.allocate(parent)
+    parent.num_cached_tokens = prompt_len
+    family = [parent]
+    for i in range(num_children):
+        child = BlockSequence(f"sample {i + 1}", list(range(prompt_len)))
+        bm.fork(parent, child)
+        family.append(child)
+    for i, length in enumerate(extra):
+        seq = BlockSequence(f"other {i}", list(range(100 * (i + 1), 100 * (i + 1) + length)))
+        bm.allocate(seq)
+        family.append(seq)
+    return bm, family
+
+
+def _append_case(fn, bm, seq, new_tokens):
+    """Give `seq` new tokens and call the student's append on the manager's structures; the twin's
+    answer comes from labkit's own BlockManager.append on an identical copy."""
+    seq.token_ids.extend(new_tokens)
+    table = list(seq.block_table)
+    try:
+        copies = fn(table, len(seq.token_ids), seq.num_cached_tokens, bm.block_size, bm.hash_to_block, bm.blocks,
+                    bm._free_uncached, bm._free_cached)
+    except (NotImplementedError, ExerciseFailed):
+        raise
+    except Exception as error:  # noqa: BLE001 - the student's code raised
+        return getattr(error, "type_name", type(error).__name__), table
+    return copies, table
+
+
+@exercise("09", "append_blocks", forbidden=(f"{_MANAGER}._shared_write_block", f"{_MANAGER}.shared_write_block",
+                                            f"{_MANAGER}._missing_blocks"))  # not `append`: lists have one
+def append_blocks(ns):
+    fn = require(ns, "append_blocks")
+    # 1. four samples of a 12-token prompt (blocks of 8): each one's 13th token lands in the shared partial block
+    bm, family = _forked(8, 8, 12, 3)
+    ref_before = [bm.blocks[b].ref_count for b in family[0].block_table]
+    copies, table = _append_case(fn, bm, family[1], [7])
+    if isinstance(copies, str):
+        raise ExerciseFailed(f"raised {copies} for a sample writing into its shared partial block, with 6 blocks free")
+    if not isinstance(copies, list):
+        raise ExerciseFailed(f"return the list of (source, destination) copies, got {copies!r}")
+    if copies == []:
+        raise ExerciseFailed("the sample's next token lands in a block three other samples share (ref_count 4), "
+                             "and no copy was made: it would overwrite their K/V; copy it first (copy-on-write)")
+    if copies == [(table[1], 1)]:
+        raise ExerciseFailed("a copy goes from the shared block (source) to the fresh one (destination): "
+                             "return (source, destination)")
+    if table[0] != 0:
+        raise ExerciseFailed("the full first block was copied too: full blocks are never written again, they stay "
+                             "shared; only the block the next token is written into is copied")
+    if len(copies) != 1 or copies[0][0] != 1 or table[1] != copies[0][1] or table[1] == 1:
+        raise ExerciseFailed(f"expected one copy of block 1 into a fresh block that replaces it in the table; got "
+                             f"copies {copies}, table {table}")
+    if bm.blocks[1].ref_count == ref_before[1]:
+        raise ExerciseFailed("the shared block kept its reference count: the copying sample no longer holds it, "
+                             "so it loses one reference (ref_count -= 1)")
+    family[1].block_table = table
+    try:
+        bm.check_invariants(family)
+    except RuntimeError as broken:
+        raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+    # 2. the last holder of a block that others copied away from writes into it: no copy needed
+    bm, family = _forked(8, 8, 12, 1)
+    family[1].block_table[1] = bm._take_free_block()  # sample 1 already took its copy
+    bm.blocks[1].ref_count -= 1
+    copies, table = _append_case(fn, bm, family[0], [5])
+    if copies != []:
+        raise ExerciseFailed(f"copied a block that only this sequence holds (ref_count 1): got {copies}; copy only "
+                             "when ref_count > 1")
+    # 3. a chunk that ends a block and starts two more: the write block is not the last one
+    bm, family = _forked(8, 4, 6, 1)  # blocks of 4: [0..3] full and shared, [4, 5] partial and shared
+    copies, table = _append_case(fn, bm, family[1], list(range(50, 57)))  # 13 tokens, computed 6
+    if isinstance(copies, str):
+        raise ExerciseFailed(f"raised {copies} for a sequence that needs 1 copy and 2 new blocks with 6 free")
+    if len(table) < 4:
+        raise ExerciseFailed(f"13 tokens in blocks of 4 need 4 blocks, the table has {len(table)}: add the missing "
+                             "blocks after the copy")
+    if len(copies) != 1 or copies[0][0] != 1 or table[1] != copies[0][1] or len(table) != 4:
+        raise ExerciseFailed(f"the write position (num_computed = 6) is in block index 1, which is shared: copy it "
+                             f"and add 2 new blocks; got copies {copies}, table {table}")
+    family[1].block_table = table
+    try:
+        bm.check_invariants(family)
+    except RuntimeError as broken:
+        raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+    # 4. one free block: enough for the copy, not also for the new block the three new tokens need
+    bm, family = _forked(3, 4, 6, 1)
+    before = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm._free_uncached), list(bm._free_cached))
+    copies, table = _append_case(fn, bm, family[1], [60, 61, 62])  # 9 tokens: a copy and one more block
+    after = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm._free_uncached), list(bm._free_cached))
+    if not isinstance(copies, str):
+        raise ExerciseFailed("the sequence needs a copy and a new block, 2 free blocks, and 1 is free: raise "
+                             "KVCacheExhausted (count the copy too)")
+    if copies != "KVCacheExhausted":
+        raise ExerciseFailed(f"raised {copies} where the pool is too small: check first, and count the copy-on-write "
+                             "block with the missing ones; then raise KVCacheExhausted")
+    if after != before:
+        raise ExerciseFailed("the pool changed before KVCacheExhausted was raised: check that the copy and the new "
+                             "blocks fit before taking any block")
+    return "copies only a shared write block, source to destination, adds missing blocks, all or nothing"
+
+
 @exercise("09", "knowledge_check")
 def knowledge_check(ns):
     from labkit.grading.quiz import Choice, Number, grade_answers
