@@ -366,7 +366,8 @@ def knowledge_check(ns):
     from labkit.cache.paged_storage import PagedKVStorage
     from labkit.engine import Scheduler, SchedulerConfig, Sequence
     from labkit.engine.memory import num_blocks_for_memory
-    from labkit.grading.quiz import Choice, Number, grade_answers, smollm2_config
+    from labkit.grading.quiz import Choice, Number, grade_answers
+    from labkit.model.random_weights import SMOLLM2_135M  # the GGUF's shape, which the tests compare
     from labkit.sampling import SamplingParams
 
     def scheduler(budget, num_blocks=6, block_size=8, max_seqs=4):
@@ -404,7 +405,7 @@ def knowledge_check(ns):
     return grade_answers(ns, {
         1: Number(c_in_step_2, "the step-by-step trace, step 2"),
         2: Number(steps, "chunked prefill's token flow: the last chunk samples"),
-        3: Number(num_blocks_for_memory(smollm2_config(), 16, torch.bfloat16),
+        3: Number(num_blocks_for_memory(SMOLLM2_135M, 16, torch.bfloat16),
                   "'How big is the cache?': 2 x layers x KV heads x head_dim x 2 bytes per token"),
         4: Choice("b", "'A request's life' and the trace's step 6"),
         5: Choice("c", "'No deadlock: impossible requests are refused at once'"),
