@@ -1,7 +1,8 @@
-"""Lab 09: prefix caching's hash chain, the prefix lookup and LRU eviction."""
+"""Lab 09: prefix caching's hash chain, the prefix lookup, LRU eviction, allocating and releasing a table."""
 
 from catalogue import Right, Wrong
-from labkit.cache.block_manager import BlockManager, hash_block
+from labkit.cache.block_manager import BlockManager, KVCacheExhausted, hash_block
+from labkit.cache.sequence_blocks import BlockSequence
 from labkit.grading.labs.lab09 import _reference_chain
 
 
@@ -96,6 +97,147 @@ def labkit_prefix_hits(token_ids, block_size, hash_to_block, blocks):
     return [b.block_id for b in manager.prefix_hits(token_ids)]
 
 
+def allocate(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached, revive_first=True,
+             unlink=True, share=True, cost="fresh+revived", check_early=True, answer="tokens"):
+    hits = lookup(token_ids, block_size, hash_to_block, blocks)
+    needed = -(-len(token_ids) // block_size)
+    free = len(free_uncached) + len(free_cached)
+    consumed = {"fresh+revived": needed - sum(blocks[b].ref_count > 0 for b in hits),
+                "all": needed, "fresh": needed - len(hits)}[cost]
+    if check_early and consumed > free:
+        raise KVCacheExhausted(f"{needed} blocks needed, {free} free")
+
+    def revive():
+        for block_id in hits:
+            if blocks[block_id].ref_count == 0 and unlink:
+                del free_cached[block_id]
+            blocks[block_id].ref_count = blocks[block_id].ref_count + 1 if share else 1
+
+    if revive_first:
+        revive()
+    if not check_early and needed - len(hits) > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted("too late")
+    fresh = [take(free_uncached, free_cached, hash_to_block, blocks) for _ in range(needed - len(hits))]
+    if not revive_first:
+        revive()
+    return hits + fresh, len(hits) * (block_size if answer == "tokens" else 1)
+
+
+def allocate_all_or_nothing(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached):
+    """Plans first (which hits revive a free block, how many fresh blocks), then commits."""
+    hits = lookup_while(token_ids, block_size, hash_to_block, blocks)
+    revived = [b for b in hits if blocks[b].ref_count == 0]
+    fresh_count = -(-len(token_ids) // block_size) - len(hits)
+    if len(revived) + fresh_count > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted(f"needs {len(revived) + fresh_count} free blocks")
+    for block_id in revived:
+        free_cached.pop(block_id)
+    for block_id in hits:
+        blocks[block_id].ref_count += 1
+    table = list(hits)
+    while len(table) * block_size < len(token_ids):
+        table.append(take_explicit(free_uncached, free_cached, hash_to_block, blocks))
+    return table, len(hits) * block_size
+
+
+def labkit_allocate(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached):
+    manager = BlockManager(len(blocks), block_size)
+    manager.blocks, manager.hash_to_block = blocks, hash_to_block
+    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    seq = BlockSequence("s", list(token_ids))
+    manager.allocate(seq)
+    return seq.block_table, seq.num_cached_tokens
+
+
+def release(block_table, hash_to_block, blocks, free_uncached, free_cached, *, reverse=True, shared_aware=True,
+            keep_cache=True, cache_partial=False, check_entry=True, clear=True):
+    for block_id in (reversed(block_table) if reverse else block_table):
+        block = blocks[block_id]
+        block.ref_count = block.ref_count - 1 if shared_aware else 0
+        if block.ref_count > 0:
+            continue
+        cacheable = block.hash is not None and (not check_entry or hash_to_block.get(block.hash) == block_id)
+        if keep_cache and (cacheable or cache_partial):
+            free_cached[block_id] = None
+        else:
+            if clear:
+                block.hash = block.token_ids = None
+            free_uncached.append(block_id)
+
+
+def release_by_index(block_table, hash_to_block, blocks, free_uncached, free_cached):
+    for i in range(len(block_table) - 1, -1, -1):
+        block = blocks[block_table[i]]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            reachable = block.hash in hash_to_block and hash_to_block[block.hash] == block.block_id
+            if reachable:
+                free_cached[block.block_id] = None
+            else:
+                block.hash, block.token_ids = None, None
+                free_uncached.append(block.block_id)
+
+
+def labkit_release(block_table, hash_to_block, blocks, free_uncached, free_cached):
+    manager = BlockManager(len(blocks), 2)
+    manager.blocks, manager.hash_to_block = blocks, hash_to_block
+    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    seq = BlockSequence("s", [], list(block_table))
+    manager.deallocate(seq)
+
+
+def append(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached, free_cached,
+           cow=True, only_shared=True, direction="forward", every_shared=False, unref=True, add_missing=True,
+           count_copy=True, check_early=True):
+    index = num_computed // block_size
+    shared = index < len(block_table) and (blocks[block_table[index]].ref_count > 1 or not only_shared)
+    missing = -(-num_tokens // block_size) - len(block_table)
+    free = len(free_uncached) + len(free_cached)
+    if check_early and missing + (shared and count_copy) > free:
+        raise KVCacheExhausted(f"{missing + shared} blocks needed, {free} free")
+    copies = []
+    targets = [i for i in range(index + 1) if blocks[block_table[i]].ref_count > 1] if every_shared else [index]
+    for i in (targets if cow and shared else []):
+        source, destination = block_table[i], take(free_uncached, free_cached, hash_to_block, blocks)
+        if unref:
+            blocks[source].ref_count -= 1
+        block_table[i] = destination
+        copies.append((source, destination) if direction == "forward" else (destination, source))
+    if not check_early and missing > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted("too late")
+    if add_missing:
+        block_table.extend(take(free_uncached, free_cached, hash_to_block, blocks) for _ in range(missing))
+    return copies
+
+
+def append_planned(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached,
+                   free_cached):
+    """Works out the whole plan (which block to copy, how many to add) before touching the pool."""
+    write = num_computed // block_size
+    copy_needed = write < len(block_table) and blocks[block_table[write]].ref_count >= 2
+    new_blocks = max(0, -(-num_tokens // block_size) - len(block_table))
+    if new_blocks + int(copy_needed) > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted("the pool cannot take the copy and the new blocks")
+    copies = []
+    if copy_needed:
+        fresh = take_explicit(free_uncached, free_cached, hash_to_block, blocks)
+        blocks[block_table[write]].ref_count -= 1
+        copies.append((block_table[write], fresh))
+        block_table[write] = fresh
+    for _ in range(new_blocks):
+        block_table.append(take_explicit(free_uncached, free_cached, hash_to_block, blocks))
+    return copies
+
+
+def labkit_append(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached,
+                  free_cached):
+    manager = BlockManager(len(blocks), block_size)
+    manager.blocks, manager.hash_to_block = blocks, hash_to_block
+    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    seq = BlockSequence("s", list(range(num_tokens)), block_table, num_computed)
+    return manager.append(seq)
+
+
 RIGHT = [
     Right("chain_hashes", "index loop carrying the previous hash", chain),
     Right("chain_hashes", "slices of the full part, chained through the list", chain_by_slices),
@@ -103,6 +245,12 @@ RIGHT = [
     Right("cached_prefix_blocks", "while loop with an early return", lookup_while),
     Right("take_free_block", "popitem(last=False)", take),
     Right("take_free_block", "explicit branches on the Block object", take_explicit),
+    Right("allocate_blocks", "lookup, count, revive, take", allocate),
+    Right("allocate_blocks", "plan the revived and fresh blocks, then commit", allocate_all_or_nothing),
+    Right("release_blocks", "reversed() with flags", release),
+    Right("release_blocks", "index loop from the tail", release_by_index),
+    Right("append_blocks", "flags over one copy and the missing blocks", append),
+    Right("append_blocks", "plan the copy and the new blocks, then commit", append_planned),
 ]
 
 WRONG = [
@@ -151,6 +299,52 @@ WRONG = [
     Wrong("take_free_block", "calls BlockManager._take_free_block", lambda u, c, t, b: _labkit_take(u, c, t, b),
           "`_take_free_block`",
           calls="labkit.cache.block_manager.BlockManager._take_free_block"),
+    Wrong("allocate_blocks", "takes fresh blocks before reviving the hits", lambda *a: allocate(*a, revive_first=False),
+          "revive the hits"),
+    Wrong("allocate_blocks", "leaves a revived hit in free_cached", lambda *a: allocate(*a, unlink=False),
+          "still in free_cached"),
+    Wrong("allocate_blocks", "sets a hit's ref_count to 1", lambda *a: allocate(*a, share=False),
+          "ref_count += 1"),
+    Wrong("allocate_blocks", "counts held hits as needing free blocks", lambda *a: allocate(*a, cost="all"),
+          "cost no free block"),
+    Wrong("allocate_blocks", "counts revived hits as costing nothing", lambda *a: allocate(*a, cost="fresh"),
+          "hits on free cached blocks still consume free blocks"),
+    Wrong("allocate_blocks", "checks the pool after reviving the hits", lambda *a: allocate(*a, check_early=False),
+          "the pool changed before KVCacheExhausted"),
+    Wrong("allocate_blocks", "counts cached blocks, not tokens", lambda *a: allocate(*a, answer="blocks"),
+          "counts tokens, not blocks"),
+    Wrong("allocate_blocks", "returns only the table", lambda *a: allocate(*a)[0], "return (block_table"),
+    Wrong("allocate_blocks", "calls BlockManager.allocate", labkit_allocate, "`allocate`",
+          calls="labkit.cache.block_manager.BlockManager.allocate"),
+    Wrong("release_blocks", "releases head first", lambda *a: release(*a, reverse=False),
+          "release the table from its tail"),
+    Wrong("release_blocks", "frees shared blocks outright", lambda *a: release(*a, shared_aware=False),
+          "a shared block was freed"),
+    Wrong("release_blocks", "drops every cached prefix", lambda *a: release(*a, keep_cache=False),
+          "keep it in free_cached"),
+    Wrong("release_blocks", "caches the partial block", lambda *a: release(*a, cache_partial=True),
+          "the partial block"),
+    Wrong("release_blocks", "caches a block its hash entry does not reach", lambda *a: release(*a, check_entry=False),
+          "cannot reach is not cached"),
+    Wrong("release_blocks", "keeps the old hash on an uncached block", lambda *a: release(*a, clear=False),
+          "clear them"),
+    Wrong("release_blocks", "calls BlockManager.deallocate", labkit_release, "`deallocate`",
+          calls="labkit.cache.block_manager.BlockManager.deallocate"),
+    Wrong("append_blocks", "no copy-on-write", lambda *a: append(*a, cow=False), "no copy was made"),
+    Wrong("append_blocks", "returns (destination, source)", lambda *a: append(*a, direction="backward"),
+          "return (source, destination)"),
+    Wrong("append_blocks", "copies every shared block", lambda *a: append(*a, every_shared=True),
+          "full first block was copied"),
+    Wrong("append_blocks", "the shared block keeps its reference", lambda *a: append(*a, unref=False),
+          "kept its reference count"),
+    Wrong("append_blocks", "copies a block nobody else holds", lambda *a: append(*a, only_shared=False),
+          "copy only when ref_count > 1"),
+    Wrong("append_blocks", "forgets the missing blocks", lambda *a: append(*a, add_missing=False),
+          "add the missing blocks"),
+    Wrong("append_blocks", "does not count the copy", lambda *a: append(*a, count_copy=False), "count the copy"),
+    Wrong("append_blocks", "checks after copying", lambda *a: append(*a, check_early=False), "pool changed"),
+    Wrong("append_blocks", "calls BlockManager.append", labkit_append, "`_missing_blocks`",
+          calls="labkit.cache.block_manager.BlockManager._missing_blocks"),
 ]
 
 

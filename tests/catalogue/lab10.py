@@ -1,4 +1,5 @@
-"""Lab 10: the scheduler's can_append rule and one continuous-batching step."""
+"""Lab 10: the scheduler's can_append rule, one continuous-batching step, the preemption victim and the
+token budget of the running sequences."""
 
 import math
 from collections import deque
@@ -65,12 +66,97 @@ def no_budget(running, waiting, budget, max_seqs, free):
     return [(r, 1) for r in running] + [(w.id, w.prompt_len + budget) for w in waiting]
 
 
+def victim(grower, running, ref_counts, write_block, order=None, from_top=False, only_below=True, must_help=True,
+           sibling_rule=True, sibling_needs_two=True, fallback="grower"):
+    ranked = sorted(running, key=order or (lambda r: (-r.priority, r.arrival)))
+    position = [r.id for r in ranked].index(grower)
+    candidates = ranked[position + 1:] if only_below else ranked[:position] + ranked[position + 1:]
+    for seq in (candidates if from_top else candidates[::-1]):
+        if not must_help or min(ref_counts[b] for b in seq.block_table) == 1:
+            return seq.id
+        if sibling_rule and write_block in seq.block_table and (ref_counts[write_block] == 2 or not sibling_needs_two):
+            return seq.id
+    return grower if fallback == "grower" else None
+
+
+def victim_by_scan(grower, running, ref_counts, write_block):
+    """Walks the whole order from the bottom and stops when it reaches the grower."""
+    for seq in sorted(running, key=lambda r: (r.priority, -r.arrival)):  # bottom first
+        if seq.id == grower:
+            return grower
+        frees_a_block = any(ref_counts[b] == 1 for b in seq.block_table)
+        spares_the_copy = write_block in seq.block_table and ref_counts.get(write_block) == 2
+        if frees_a_block or spares_the_copy:
+            return seq.id
+    raise ValueError("the grower is not running")
+
+
+def labkit_victim(grower, running, ref_counts, write_block):
+    from labkit.engine.scheduler import Scheduler
+    return Scheduler._victim(None, running)
+
+
+def plan(running, token_budget, threshold, reserve="decodes", cap=True, zero_cap_is_zero=False, keep_empty=False,
+         stop_at_empty=False, clip=True):
+    out, budget = [], token_budget
+    for i, seq in enumerate(running):
+        if budget == 0:
+            break
+        if not seq.is_prefill:
+            out.append((seq.id, 1))
+            budget -= 1
+            continue
+        behind = running[i + 1:]
+        held_back = {"decodes": sum(not s.is_prefill for s in behind), "all": len(behind), "none": 0}[reserve]
+        n = max(budget - held_back, 0)
+        n = min(n, seq.uncomputed) if clip else n
+        if cap and (threshold or zero_cap_is_zero):
+            n = min(n, threshold)
+        if n == 0 and not keep_empty:
+            if stop_at_empty:
+                break
+            continue
+        out.append((seq.id, n))
+        budget -= n
+    return out
+
+
+def plan_with_counter(running, token_budget, long_prefill_token_threshold):
+    """Counts the decodes still to come once, and decrements as it passes them."""
+    decodes_left = sum(not s.is_prefill for s in running)
+    plan, budget = [], token_budget
+    for seq in running:
+        if budget <= 0:
+            break
+        if not seq.is_prefill:
+            decodes_left -= 1
+            plan.append((seq.id, 1))
+            budget -= 1
+            continue
+        chunk = min(seq.uncomputed, budget - decodes_left)
+        if long_prefill_token_threshold:
+            chunk = min(chunk, long_prefill_token_threshold)
+        if chunk > 0:
+            plan.append((seq.id, chunk))
+            budget -= chunk
+    return plan
+
+
+def labkit_plan(running, token_budget, threshold):
+    from labkit.engine.scheduler import Scheduler
+    return [(s.id, Scheduler._chunk(None, s, token_budget)) for s in running]
+
+
 RIGHT = [
     Right("can_append", "blocks needed for all tokens vs held + free", can_append_by_blocks),
     Right("can_append", "seed 001's remainder rule", can_append_by_remainder),
     Right("can_append", "math.ceil over held plus free", can_append_math_ceil),
     Right("schedule_step", "sorted loop with a break", schedule),
     Right("schedule_step", "two stable sorts and a deque", schedule_queue),
+    Right("choose_victim", "ranked list, reversed tail below the grower", victim),
+    Right("choose_victim", "ascending scan from the bottom that stops at the grower", victim_by_scan),
+    Right("plan_running", "enumerate and count the decodes behind", plan),
+    Right("plan_running", "a running count of the decodes still to come", plan_with_counter),
 ]
 
 WRONG = [
@@ -99,4 +185,37 @@ WRONG = [
     Wrong("schedule_step", "imports the grader's reference", lambda *a: reference_schedule_step(*a),
           "`reference_schedule_step`",
           calls="labkit.grading.labs.lab10.reference_schedule_step"),
+    Wrong("choose_victim", "nano-vLLM's latest arrival, whatever its priority", lambda *a: victim(
+        *a, order=lambda r: r.arrival), "ignored priorities"),
+    Wrong("choose_victim", "takes the victim from the top", lambda *a: victim(*a, from_top=True), "from the top"),
+    Wrong("choose_victim", "earliest arrival among equals", lambda *a: victim(
+        *a, order=lambda r: (-r.priority, -r.arrival)), "not the earliest"),
+    Wrong("choose_victim", "preempts a higher-ranked sequence", lambda *a: victim(*a, only_below=False),
+          "ranks above the grower"),
+    Wrong("choose_victim", "a victim whose blocks are all shared", lambda *a: victim(*a, must_help=False),
+          "frees no block"),
+    Wrong("choose_victim", "misses the sibling holding the write block", lambda *a: victim(*a, sibling_rule=False),
+          "missed the sibling"),
+    Wrong("choose_victim", "any holder of the shared write block", lambda *a: victim(*a, sibling_needs_two=False),
+          "only if it is the only other one"),
+    Wrong("choose_victim", "returns None when nobody helps", lambda *a: victim(*a, fallback=None),
+          "preempts itself"),
+    Wrong("choose_victim", "calls Scheduler._victim", labkit_victim, "`_victim`",
+          calls="labkit.engine.scheduler.Scheduler._victim"),
+    Wrong("plan_running", "a prefill starves the decodes behind it", lambda *a: plan(*a, reserve="none"),
+          "leave one token to every decode"),
+    Wrong("plan_running", "reserves a token for prefills behind too", lambda *a: plan(*a, reserve="all"),
+          "only decodes need one each"),
+    Wrong("plan_running", "ignores long_prefill_token_threshold", lambda *a: plan(*a, cap=False),
+          "caps each prompt's chunk"),
+    Wrong("plan_running", "a threshold of 0 caps chunks at 0", lambda *a: plan(*a, zero_cap_is_zero=True),
+          "0 means no cap"),
+    Wrong("plan_running", "keeps a 0-token prefill in the plan", lambda *a: plan(*a, keep_empty=True),
+          "is not in the plan"),
+    Wrong("plan_running", "stops at a prefill left with nothing", lambda *a: plan(*a, stop_at_empty=True),
+          "the decodes behind it still run"),
+    Wrong("plan_running", "a chunk longer than the prompt's rest", lambda *a: plan(*a, clip=False),
+          "cannot be longer than the tokens it has left"),
+    Wrong("plan_running", "calls Scheduler._chunk", labkit_plan, "`_chunk`",
+          calls="labkit.engine.scheduler.Scheduler._chunk"),
 ]

@@ -1,4 +1,5 @@
-"""Lab 10: the scheduler. The can_append rule, and planning one continuous-batching step."""
+"""Lab 10: the scheduler. The can_append rule, planning one continuous-batching step, choosing a
+preemption victim and splitting a step's token budget between decodes and prefill chunks."""
 
 import random
 from dataclasses import dataclass
@@ -151,11 +152,222 @@ def _diagnose(case, got, want) -> str:
     return f"expected {want}, got {got}: {where}"
 
 
+def _explain(cases, answers, reference, mistakes):
+    """None if every answer is the reference's; else the first wrong case, its answer, the right one and why:
+    a mistake is named only when re-creating it gives every answer the student gave."""
+    expected = [reference(case) for case in cases]
+    wrong = [i for i, (got, want) in enumerate(zip(answers, expected, strict=True)) if got != want]
+    if not wrong:
+        return None
+    why = None
+    for mistake, message in mistakes:
+        if all(got == reference(case, **mistake) for case, got in zip(cases, answers, strict=True)):
+            why = message
+            break
+    first = wrong[0]
+    return cases[first], answers[first], expected[first], why
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running sequence as the victim exercise sees it."""
+
+    id: str
+    priority: int  # higher runs first
+    arrival: int  # earlier runs first among equal priorities
+    block_table: tuple[int, ...]  # the KV blocks it holds
+
+
+def reference_choose_victim(grower, running, ref_counts, write_block, *, order=None, from_top=False,
+                            only_below=True, must_help=True, sibling_rule=True, sibling_needs_two=True,
+                            fallback="grower"):
+    """labkit's `Scheduler._victim` on plain records; the keyword arguments re-create typical mistakes."""
+    ranked = sorted(running, key=order or (lambda r: (-r.priority, r.arrival)))
+    ids = [r.id for r in ranked]
+    candidates = ranked[ids.index(grower) + 1:] if only_below else [r for r in ranked if r.id != grower]
+    for seq in (candidates if from_top else reversed(candidates)):
+        if not must_help or any(ref_counts[b] == 1 for b in seq.block_table):
+            return seq.id
+        if (sibling_rule and write_block is not None and write_block in seq.block_table
+                and (ref_counts[write_block] == 2 or not sibling_needs_two)):
+            return seq.id
+    return grower if fallback == "grower" else None
+
+
+VICTIM_MISTAKES = [
+    (dict(order=lambda r: r.arrival), "ignored priorities (nano-vLLM's rule, the latest arrival): the victim is the "
+                                      "lowest priority, and among equals the latest arrival"),
+    (dict(from_top=True), "took the victim from the top of the order: preempt from the bottom, lowest priority and "
+                          "latest arrival first"),
+    (dict(order=lambda r: (-r.priority, -r.arrival)), "among equal priorities the victim is the latest arrival, "
+                                                       "not the earliest"),
+    (dict(only_below=False), "preempted a sequence that ranks above the grower: only sequences ranking below it "
+                             "may be preempted for it (else it preempts itself)"),
+    (dict(must_help=False), "the victim frees no block (all its blocks are shared, ref_count > 1): skip it for "
+                            "one whose release helps"),
+    (dict(sibling_rule=False), "missed the sibling: a sequence that is the only other holder of the shared block "
+                               "the grower writes into next helps too (ref_count 2: releasing it spares the copy)"),
+    (dict(sibling_needs_two=False), "a holder of the shared write block helps only if it is the only other one "
+                                    "(ref_count 2); with three holders the block stays shared and needs its copy"),
+    (dict(fallback=None), "when no sequence below helps, the grower preempts itself: return its id, not None"),
+]
+
+
+def _random_running(rng):
+    n = rng.randint(2, 6)
+    arrivals = rng.sample(range(100), n)
+    tables, next_block = [], 0
+    for _ in range(n):
+        table = []
+        for _ in range(rng.randint(1, 3)):
+            if tables and rng.random() < 0.45:  # shared with an earlier sequence (prefix cache or fork)
+                other = rng.choice(tables)
+                candidate = rng.choice(other)
+                if candidate not in table:
+                    table.append(candidate)
+                    continue
+            table.append(next_block)
+            next_block += 1
+        tables.append(table)
+    running = [Running(f"s{i}", rng.choice([-1, 0, 0, 2]), arrivals[i], tuple(t)) for i, t in enumerate(tables)]
+    ref_counts = {b: sum(b in t for t in tables) for b in range(next_block)}
+    grower = rng.choice(running)
+    shared = [b for b in grower.block_table if ref_counts[b] > 1]
+    write_block = shared[-1] if shared and rng.random() < 0.5 else None
+    return grower.id, running, ref_counts, write_block
+
+
+@exercise("10", "choose_victim", forbidden=("labkit.engine.scheduler.Scheduler._victim",
+                                            "labkit.grading.labs.lab10.reference_choose_victim"))
+def choose_victim(ns):
+    fn = require(ns, "choose_victim")
+    rng = random.Random(1011)
+    fixed = [
+        # priorities first: the low-priority early arrival goes before the normal late one
+        ("a", [Running("a", 5, 0, (0,)), Running("low", -1, 1, (1,)), Running("late", 0, 9, (2,))],
+         {0: 1, 1: 1, 2: 1}, None),
+        # among equal priorities, the latest arrival
+        ("a", [Running("a", 0, 0, (0,)), Running("b", 0, 1, (1,)), Running("c", 0, 2, (2,))], {0: 1, 1: 1, 2: 1}, None),
+        # the lowest one holds only shared blocks: it would free nothing
+        ("a", [Running("a", 0, 0, (0, 1)), Running("b", 0, 1, (2,)), Running("c", 0, 2, (0,))],
+         {0: 2, 1: 1, 2: 1}, None),
+        # nobody below the grower: it preempts itself, never the higher-ranked one
+        ("b", [Running("a", 3, 0, (0,)), Running("b", 0, 1, (1,))], {0: 1, 1: 1}, None),
+        # a sibling sample, the only other holder of the grower's shared write block (2 holders)
+        ("a", [Running("a", 0, 0, (0, 1)), Running("sib", 0, 1, (0, 1))], {0: 2, 1: 2}, 1),
+        # three holders of the write block: releasing one sibling still leaves it shared
+        ("a", [Running("a", 0, 0, (0, 1)), Running("s1", 0, 1, (0, 1)), Running("s2", 0, 2, (0, 1))],
+         {0: 3, 1: 3}, 1),
+    ]
+    cases = fixed + [_random_running(rng) for _ in range(300)]
+    answers = [fn(grower, list(running), dict(refs), write) for grower, running, refs, write in cases]
+    wrong = _explain(cases, answers, lambda case, **m: reference_choose_victim(case[0], list(case[1]), dict(case[2]),
+                                                                               case[3], **m), VICTIM_MISTAKES)
+    if wrong:
+        (grower, running, ref_counts, write_block), got, want, message = wrong
+        raise ExerciseFailed(f"got {got!r}, expected {want!r}{': ' + message if message else ''}. grower={grower!r}, "
+                             "running="
+                             f"{[(r.id, r.priority, r.arrival, list(r.block_table)) for r in running]} (id, priority, "
+                             f"arrival, block_table), ref_counts={ref_counts}, write_block={write_block}")
+    return "lowest priority and latest arrival first, below the grower, only a victim whose release helps"
+
+
+@dataclass(frozen=True)
+class Active:
+    """A running sequence as the token-budget exercise sees it."""
+
+    id: str
+    uncomputed: int  # tokens whose K/V is not computed yet: 1 for a decode
+    is_prefill: bool  # still working through its prompt (or, after a recompute, prompt and outputs)
+
+
+def reference_plan_running(running, token_budget, long_prefill_token_threshold, *, reserve="decodes", cap=True,
+                           zero_cap_is_zero=False, keep_empty=False, stop_at_empty=False, clip=True):
+    """Step 1 of labkit's `Scheduler.schedule` without preemption; keywords re-create typical mistakes."""
+    plan, budget = [], token_budget
+    for i, seq in enumerate(running):
+        if budget == 0:
+            break
+        if not seq.is_prefill:
+            plan.append((seq.id, 1))
+            budget -= 1
+            continue
+        behind = running[i + 1:]
+        held_back = {"decodes": sum(not s.is_prefill for s in behind), "all": len(behind), "none": 0}[reserve]
+        n = max(budget - held_back, 0)
+        if clip:
+            n = min(n, seq.uncomputed)
+        if cap and (long_prefill_token_threshold > 0 or zero_cap_is_zero):
+            n = min(n, long_prefill_token_threshold)
+        if n == 0 and not keep_empty:
+            if stop_at_empty:
+                break
+            continue
+        plan.append((seq.id, n))
+        budget -= n
+    return plan
+
+
+PLAN_MISTAKES = [
+    (dict(reserve="none"), "a prefill took the budget the decodes behind it need: leave one token to every "
+                           "decode still to come"),
+    (dict(reserve="all"), "held back a token for every sequence behind, prefills included: only decodes need "
+                          "one each, a prefill behind takes what is left"),
+    (dict(cap=False), "long_prefill_token_threshold caps each prompt's chunk (0 means no cap)"),
+    (dict(zero_cap_is_zero=True), "long_prefill_token_threshold = 0 means no cap, not chunks of 0 tokens"),
+    (dict(keep_empty=True), "a prefill left with 0 tokens this step is not in the plan (it stays running)"),
+    (dict(stop_at_empty=True), "stopped at a prefill left with 0 tokens: the decodes behind it still run"),
+    (dict(clip=False), "a prefill chunk cannot be longer than the tokens it has left to compute"),
+]
+
+
+def _random_active(rng):
+    running = [Active(f"s{i}", rng.randint(1, 40) if prefill else 1, prefill)
+               for i, prefill in enumerate(rng.random() < 0.35 for _ in range(rng.randint(1, 7)))]
+    return running, rng.randint(1, 48), rng.choice([0, 0, 4, 8, 16])
+
+
+@exercise("10", "plan_running", forbidden=("labkit.engine.scheduler.Scheduler.schedule",
+                                           "labkit.engine.scheduler.Scheduler._chunk",
+                                           "labkit.grading.labs.lab10.reference_plan_running"))
+def plan_running(ns):
+    fn = require(ns, "plan_running")
+    rng = random.Random(1012)
+    d = lambda i: Active(i, 1, False)  # noqa: E731 - a decode
+    fixed = [
+        ([Active("long", 100, True), d("d1"), d("d2")], 16, 0),  # the prefill leaves 2 tokens to the decodes
+        ([Active("long", 100, True), d("d1")], 16, 6),  # capped at 6
+        ([Active("p1", 30, True), Active("p2", 30, True), d("d1")], 20, 0),  # p2 gets the rest minus one
+        ([d("d0"), Active("p", 5, True), d("d1"), d("d2")], 3, 0),  # p is left with 0: skipped, d1 and d2 run
+        ([Active("short", 3, True), d("d1")], 16, 0),  # the last chunk of a prompt: only 3 tokens left
+        ([d("a"), d("b"), d("c")], 2, 0),  # the budget runs out: c waits
+    ]
+    cases = fixed + [_random_active(rng) for _ in range(300)]
+    answers = [fn(list(running), budget, threshold) for running, budget, threshold in cases]
+    for got in answers:
+        if not isinstance(got, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in got):
+            raise ExerciseFailed(f"return a list of (id, number of tokens) pairs, got {got!r}")
+    wrong = _explain(cases, answers, lambda case, **m: reference_plan_running(list(case[0]), case[1], case[2], **m),
+                     PLAN_MISTAKES)
+    if wrong:
+        (running, budget, threshold), got, want, message = wrong
+        if message is None and sum(n for _, n in got) > budget:
+            message = f"the plan uses more than the budget of {budget}"
+        raise ExerciseFailed(f"got {got}, expected {want}{': ' + message if message else ''}. running="
+                             f"{[(s.id, s.uncomputed, s.is_prefill) for s in running]} (id, uncomputed, is_prefill), "
+                             f"token_budget={budget}, long_prefill_token_threshold={threshold}")
+    return "decodes keep their token, each prefill chunk takes what is left, capped per request"
+
+
 @exercise("10", "knowledge_check")
 def knowledge_check(ns):
+    import torch
+
     from labkit.cache.paged_storage import PagedKVStorage
     from labkit.engine import Scheduler, SchedulerConfig, Sequence
+    from labkit.engine.memory import num_blocks_for_memory
     from labkit.grading.quiz import Choice, Number, grade_answers
+    from labkit.model.random_weights import SMOLLM2_135M  # the GGUF's shape, which the tests compare
     from labkit.sampling import SamplingParams
 
     def scheduler(budget, num_blocks=6, block_size=8, max_seqs=4):
@@ -193,7 +405,8 @@ def knowledge_check(ns):
     return grade_answers(ns, {
         1: Number(c_in_step_2, "the step-by-step trace, step 2"),
         2: Number(steps, "chunked prefill's token flow: the last chunk samples"),
-        3: Choice("b", "'Priorities': the order that picks victims"),
+        3: Number(num_blocks_for_memory(SMOLLM2_135M, 16, torch.bfloat16),
+                  "'How big is the cache?': 2 x layers x KV heads x head_dim x 2 bytes per token"),
         4: Choice("b", "'A request's life' and the trace's step 6"),
         5: Choice("c", "'No deadlock: impossible requests are refused at once'"),
     })
