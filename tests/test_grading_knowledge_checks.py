@@ -19,6 +19,7 @@ RIGHT = {
     "09": {1: "b", 2: 224, 3: 2, 4: "b", 5: "b"},
     "10": {1: 7, 2: 2, 3: "b", 4: "b", 5: "c"},
     "11": {1: 7, 2: 1, 3: 73, 4: "b", 5: "a"},
+    "13": {1: 271, 2: 5, 3: "b", 4: "c", 5: "a"},
 }
 
 # Wrong answers a student might give, each with the misconception behind it: {question: answer}.
@@ -122,6 +123,16 @@ WRONG = {
         ({3: 9}, "used the block id"),
         ({4: "a"}, "confuses length with EOS"),
         ({5: "b"}, "thinks the cache skips decode"),
+    ],
+    "13": [
+        ({1: 273}, "forgot the scales' bytes"),
+        ({1: 362}, "gave the int8 total, not the difference"),
+        ({1: 91}, "sized against bf16"),
+        ({2: 4}, "forgot d and m"),
+        ({2: 4.5}, "counted Q4_0's 18 bytes"),
+        ({3: "d"}, "thinks prefix caching fixes the scale"),
+        ({4: "a"}, "thinks per-channel scales save bytes"),
+        ({5: "b"}, "thinks quantization is lossless"),
     ],
 }
 
