@@ -108,7 +108,8 @@ def test_bad_settings_get_errors_naming_the_option():
     assert KV_CACHE_DTYPES[:2] == ("auto", "int8")
     storage = PagedKVStorage(1, 2, BLOCK, 1, 4, kv_cache_dtype="int8")
     pytest.importorskip("triton")
-    with pytest.raises(ValueError, match=r"triton attention backend .* kv_cache_dtype='int8'.*backend='torch'"):
+    refused = r"triton attention backend .* kv_cache_dtype='int8'.*attention_backend='torch'"
+    with pytest.raises(ValueError, match=refused):
         PagedAttentionBackend(storage, "triton")
 
 
@@ -130,19 +131,22 @@ def logits_through_the_cache(model, kv_cache_dtype, ids, prefill):
     return torch.cat(logits)
 
 
-def test_logits_over_the_int8_cache_stay_close_to_the_unquantized_engine():
+@pytest.mark.parametrize("kv_cache_dtype", list(FORMATS))
+def test_logits_over_a_quantized_cache_stay_close_to_the_unquantized_engine(kv_cache_dtype):
     model = random_model(SMALL, seed=3)
     ids = torch.randint(0, SMALL.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     exact = logits_through_the_cache(model, "auto", ids, prefill=21)
-    int8 = logits_through_the_cache(model, "int8", ids, prefill=21)
+    quantized = logits_through_the_cache(model, kv_cache_dtype, ids, prefill=21)
     with torch.inference_mode():
         meta = AttentionMetadata.causal([len(ids)])
         dense = model.compute_logits(model.forward_hidden(torch.tensor(ids), torch.arange(len(ids)), meta,
                                                           dense_attention))[20:]
     torch.testing.assert_close(exact, dense, rtol=1e-4, atol=1e-5)
-    difference = (int8 - exact).abs().max().item()
-    print(f"random-weights model: max |logit difference| int8 vs fp32 cache = {difference:.2e}")
-    assert 0 < difference < 0.02 * (exact.max() - exact.min()).item()
+    difference = (quantized - exact).abs().max().item()
+    print(f"random-weights model: max |logit difference| {kv_cache_dtype} vs fp32 cache = {difference:.2e}")
+    # measured: int8 2.1e-2, fp8 6.5e-2, logits spanning about 4
+    bound = {"int8": 0.01, "fp8": 0.03}[kv_cache_dtype] * (exact.max() - exact.min()).item()
+    assert 0 < difference < bound
 
 
 @pytest.fixture(scope="module")

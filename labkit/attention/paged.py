@@ -57,7 +57,8 @@ class PagedAttentionBackend:
         self.backend = resolve_backend(backend, storage.device)
         if self.backend == "triton" and storage.quantized:
             raise ValueError(f"the triton attention backend reads K/V in the model's dtype only, not "
-                             f"kv_cache_dtype={storage.quant.name!r}: use backend='torch' or kv_cache_dtype='auto'")
+                             f"kv_cache_dtype={storage.quant.name!r}: use attention_backend='torch' (the default "
+                             f"on CPU) or kv_cache_dtype='auto'")
         if self.backend == "triton":
             from labkit.attention import triton_kernels
 

@@ -8,9 +8,9 @@ is ever clipped and an int8 value is off by at most s / 2 (the book, 10.8: KV qu
 A block fills over time: decode appends one token per step, and a new token may be larger than
 anything the block holds. Two fixes exist. A scale fixed by the block's first tokens would clip the
 later, larger ones, with an error as large as the outlier. Instead the scale only grows: when a
-token needs a larger one, the block's codes for that head are re-rounded to the new scale. That
-costs one extra rounding for the tokens already there (their error is then at most
-s_old / 2 + s_new / 2 <= s_new) and never clips. A block's first token (offset 0) starts it over:
+token needs a larger one, the block's codes for that head are re-rounded to the new scale. Each
+growth costs the tokens already there one more rounding (after one growth a token is off by at
+most s_old / 2 + s_new / 2 <= s_new), and nothing is ever clipped. A block's first token (offset 0) starts it over:
 whatever scale it had belonged to a previous, freed owner.
 """
 
