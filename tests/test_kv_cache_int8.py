@@ -114,15 +114,16 @@ def test_bad_settings_get_errors_naming_the_option():
 
 
 @torch.inference_mode()
-def logits_through_the_cache(model, kv_cache_dtype, ids, prefill):
-    """Logits of ids[prefill-1:]: `prefill` tokens in one step, then one decode step per token."""
+def logits_through_the_cache(model, kv_cache_dtype, ids, prefill, steps=None):
+    """Logits of ids[prefill-1:]: `prefill` tokens in one step, then one decode step per token
+    (or steps ending at each of `steps`); each step's last row."""
     config = model.config
     storage = PagedKVStorage(config.num_layers, 4, BLOCK, config.num_kv_heads, config.head_dim,
                              kv_cache_dtype=kv_cache_dtype)
     backend = PagedAttentionBackend(storage, "torch")
     table = [3, 1, 0]
     logits, start = [], 0
-    for end in [prefill, *range(prefill + 1, len(ids) + 1)]:
+    for end in [prefill, *range(prefill + 1, len(ids) + 1)] if steps is None else steps:
         meta = AttentionMetadata(torch.tensor([0, end - start]), torch.tensor([0, end]), end - start, end,
                                  torch.tensor(slot_mapping(table, start, end, BLOCK)), torch.tensor([table]))
         hidden = model.forward_hidden(torch.tensor(ids[start:end]), torch.arange(start, end), meta, backend)
@@ -147,6 +148,16 @@ def test_logits_over_a_quantized_cache_stay_close_to_the_unquantized_engine(kv_c
     # measured: int8 2.1e-2, fp8 6.5e-2, logits spanning about 4
     bound = {"int8": 0.01, "fp8": 0.03}[kv_cache_dtype] * (exact.max() - exact.min()).item()
     assert 0 < difference < bound
+
+
+def test_a_prompt_gets_the_same_logits_whether_its_prefix_was_cached_or_not():
+    """Attention always reads the quantized cache, so a prefix that came from the cache (a first
+    chunk, a prefix-cache hit) and the same prefix computed in the step give the same result."""
+    model = random_model(SMALL, seed=4)
+    ids = torch.randint(0, SMALL.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    at_once = logits_through_the_cache(model, "int8", ids, prefill=40)
+    cached_prefix = logits_through_the_cache(model, "int8", ids, prefill=16, steps=[16, 40])[-1:]
+    torch.testing.assert_close(cached_prefix, at_once, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
