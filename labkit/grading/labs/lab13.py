@@ -1,5 +1,5 @@
-"""Lab 13: quantization. Int8 weights per output channel, an int8 KV block whose scale grows as it
-fills, and the GGUF's Q4_1 groups (32 weights, a scale d and a minimum m) decoded and encoded."""
+"""Lab 13: quantization. An int8 KV block whose scale grows as it fills, int8 weights per output
+channel, and the GGUF's Q4_1 groups (32 weights, a scale d and a minimum m) decoded and encoded."""
 
 import numpy as np
 import torch
@@ -16,68 +16,7 @@ def _two_tensors(got, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     return got[0], got[1]
 
 
-# ---- exercise 1: int8 weights, one scale per output channel -------------------------------------
-def _weight_cases(g):
-    w = torch.randn(24, 40, generator=g) * torch.logspace(-2, 1, 24)[:, None]  # rows of very different sizes
-    w[3] = 0.0  # a row of zeros (a pruned channel)
-    w[5, 7] = -50.0  # a row whose largest magnitude is negative
-    return [w, torch.randn(1, 1, generator=g), torch.randn(7, 96, generator=g) * 0.02]
-
-
-@exercise("13", "quantize_per_channel", forbidden=(
-    "torch.quantize_per_channel", "torch.fake_quantize_per_channel_affine",
-    "labkit.grading.labs.lab13.reference_quantize_per_channel",
-))
-def quantize_per_channel(ns):
-    fn = require(ns, "quantize_per_channel")
-    g = torch.Generator().manual_seed(13)
-    for w in _weight_cases(g):
-        q, scales = _two_tensors(fn(w.clone()), "int8 codes, scales")
-        if q.dtype != torch.int8 or q.shape != w.shape:
-            raise ExerciseFailed(f"the codes must be an int8 tensor of the weight's shape {tuple(w.shape)}, "
-                                 f"got {q.dtype} {tuple(q.shape)}")
-        if scales.numel() == w.shape[1] and w.shape[0] != w.shape[1]:
-            raise ExerciseFailed(f"{scales.numel()} scales: one per input column; per output channel means one "
-                                 f"scale per row (dim 0), {w.shape[0]} of them")
-        if scales.numel() == 1 and w.shape[0] > 1:
-            raise ExerciseFailed("one scale for the whole matrix (per tensor): per output channel means one scale "
-                                 "per row, so a small row is not rounded on a large row's grid")
-        if scales.numel() != w.shape[0]:
-            raise ExerciseFailed(f"expected {w.shape[0]} scales (one per row), got shape {tuple(scales.shape)}")
-        scales = scales.reshape(-1).float()
-        if not torch.isfinite(scales).all() or (q.float() * scales[:, None]).isnan().any():
-            raise ExerciseFailed("NaN or inf: an all-zero row has max |w| = 0; give it scale 0 (or any) and codes 0")
-        want = reference_quantize_per_channel(w)[1]
-        live = want > 0
-        if torch.allclose(scales[live], w[live].amax(1) / 127, rtol=1e-5) and not torch.allclose(
-                scales[live], want[live], rtol=1e-5):
-            raise ExerciseFailed("the scale came from the largest w, not the largest |w|: a row whose extreme is "
-                                 "negative gets clipped")
-        added = scales[live] - want[live]
-        if added.min() > 0 and torch.allclose(added, added[0].expand_as(added), rtol=1e-3):
-            raise ExerciseFailed("an epsilon was added to every scale: it coarsens every row's grid; guard only "
-                                 "the all-zero rows (max |w| = 0) against dividing by zero")
-        if not torch.allclose(scales[live], want[live], rtol=1e-5):
-            ratio = (want[live] / scales[live]).median().item()
-            hint = (" (you divided by 128 or 255: the codes run -127..127, so scale = max|w| / 127)"
-                    if abs(ratio - 128 / 127) < 1e-3 or abs(ratio - 255 / 127) < 1e-3 else "")
-            raise ExerciseFailed(f"scales differ from max|w| / 127 per row{hint}")
-        error = (q.float() * scales[:, None] - w).abs()
-        if (error > scales[:, None] / 2 + 1e-6 * w.abs()).any():
-            raise ExerciseFailed(f"a weight is off by {error.max().item():.3g}, more than half a step: round to the "
-                                 "nearest code (casting to int8 truncates toward zero)")
-        if q.min() < -127:
-            raise ExerciseFailed("a code is -128: keep the codes symmetric, -127..127")
-    return "one scale per row, max|w| / 127, every weight within half a step"
-
-
-def reference_quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scales = w.abs().amax(dim=1) / 127
-    safe = torch.where(scales > 0, scales, 1.0)
-    return (w / safe[:, None]).round().clamp(-127, 127).to(torch.int8), scales
-
-
-# ---- exercise 2: a KV block that fills over time -------------------------------------------------
+# ---- exercise 1: a KV block that fills over time -------------------------------------------------
 def reference_append_to_block(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, offset: int,
                               *, grow=True, rescale=True, reset=True, per_head=True, rounding=torch.round):
     """labkit's rule (labkit.cache.kv_quant). The keywords re-create typical mistakes."""
@@ -154,6 +93,67 @@ def _same_block(codes, scales, want_codes, want_scales, offset) -> bool:
     """The block's first offset + 1 codes (the rest is a freed owner's junk) and its scales."""
     return (torch.allclose(scales, want_scales, rtol=1e-5, atol=1e-12)
             and torch.equal(codes[:offset + 1], want_codes[:offset + 1]))
+
+
+# ---- exercise 2: int8 weights, one scale per output channel -------------------------------------
+def _weight_cases(g):
+    w = torch.randn(24, 40, generator=g) * torch.logspace(-2, 1, 24)[:, None]  # rows of very different sizes
+    w[3] = 0.0  # a row of zeros (a pruned channel)
+    w[5, 7] = -50.0  # a row whose largest magnitude is negative
+    return [w, torch.randn(1, 1, generator=g), torch.randn(7, 96, generator=g) * 0.02]
+
+
+@exercise("13", "quantize_per_channel", forbidden=(
+    "torch.quantize_per_channel", "torch.fake_quantize_per_channel_affine",
+    "labkit.grading.labs.lab13.reference_quantize_per_channel",
+))
+def quantize_per_channel(ns):
+    fn = require(ns, "quantize_per_channel")
+    g = torch.Generator().manual_seed(13)
+    for w in _weight_cases(g):
+        q, scales = _two_tensors(fn(w.clone()), "int8 codes, scales")
+        if q.dtype != torch.int8 or q.shape != w.shape:
+            raise ExerciseFailed(f"the codes must be an int8 tensor of the weight's shape {tuple(w.shape)}, "
+                                 f"got {q.dtype} {tuple(q.shape)}")
+        if scales.numel() == w.shape[1] and w.shape[0] != w.shape[1]:
+            raise ExerciseFailed(f"{scales.numel()} scales: one per input column; per output channel means one "
+                                 f"scale per row (dim 0), {w.shape[0]} of them")
+        if scales.numel() == 1 and w.shape[0] > 1:
+            raise ExerciseFailed("one scale for the whole matrix (per tensor): per output channel means one scale "
+                                 "per row, so a small row is not rounded on a large row's grid")
+        if scales.numel() != w.shape[0]:
+            raise ExerciseFailed(f"expected {w.shape[0]} scales (one per row), got shape {tuple(scales.shape)}")
+        scales = scales.reshape(-1).float()
+        if not torch.isfinite(scales).all() or (q.float() * scales[:, None]).isnan().any():
+            raise ExerciseFailed("NaN or inf: an all-zero row has max |w| = 0; give it scale 0 (or any) and codes 0")
+        want = reference_quantize_per_channel(w)[1]
+        live = want > 0
+        if torch.allclose(scales[live], w[live].amax(1) / 127, rtol=1e-5) and not torch.allclose(
+                scales[live], want[live], rtol=1e-5):
+            raise ExerciseFailed("the scale came from the largest w, not the largest |w|: a row whose extreme is "
+                                 "negative gets clipped")
+        added = scales[live] - want[live]
+        if added.min() > 0 and torch.allclose(added, added[0].expand_as(added), rtol=1e-3):
+            raise ExerciseFailed("an epsilon was added to every scale: it coarsens every row's grid; guard only "
+                                 "the all-zero rows (max |w| = 0) against dividing by zero")
+        if not torch.allclose(scales[live], want[live], rtol=1e-5):
+            ratio = (want[live] / scales[live]).median().item()
+            hint = (" (you divided by 128 or 255: the codes run -127..127, so scale = max|w| / 127)"
+                    if abs(ratio - 128 / 127) < 1e-3 or abs(ratio - 255 / 127) < 1e-3 else "")
+            raise ExerciseFailed(f"scales differ from max|w| / 127 per row{hint}")
+        error = (q.float() * scales[:, None] - w).abs()
+        if (error > scales[:, None] / 2 + 1e-6 * w.abs()).any():
+            raise ExerciseFailed(f"a weight is off by {error.max().item():.3g}, more than half a step: round to the "
+                                 "nearest code (casting to int8 truncates toward zero)")
+        if q.min() < -127:
+            raise ExerciseFailed("a code is -128: keep the codes symmetric, -127..127")
+    return "one scale per row, max|w| / 127, every weight within half a step"
+
+
+def reference_quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = w.abs().amax(dim=1) / 127
+    safe = torch.where(scales > 0, scales, 1.0)
+    return (w / safe[:, None]).round().clamp(-127, 127).to(torch.int8), scales
 
 
 # ---- exercises 3 and 4: the GGUF's Q4_1 -------------------------------------------------------
