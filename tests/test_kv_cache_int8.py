@@ -74,6 +74,24 @@ def test_a_block_that_fills_over_time_grows_its_scale_and_never_clips():
     assert storage.scales[0, 0, 0, 0].item() == pytest.approx(small_scale)
 
 
+def test_decode_writes_follow_lab_13s_rule_head_by_head():
+    """Token-by-token stores (decode) into a block whose heads grow at different steps give the codes and
+    scales of Lab 13's reference rule, which the lab's exercise is graded against."""
+    from labkit.grading.labs.lab13 import reference_append_to_block
+
+    g = torch.Generator().manual_seed(5)
+    storage = PagedKVStorage(1, 3, BLOCK, 3, 8, kv_cache_dtype="int8")
+    storage.kv[:] = torch.randint(-127, 128, storage.kv.shape, generator=g, dtype=torch.int8)  # a freed owner's
+    storage.scales[:] = 7.0
+    codes, scales = storage.kv[0, 0, 2].clone(), storage.scales[0, 0, 2].clone()
+    for offset in range(BLOCK):
+        x = torch.randn(3, 8, generator=g) * torch.rand(3, 1, generator=g) * (offset + 1)  # heads grow unevenly
+        storage.store(0, x[None], x[None], torch.tensor([2 * BLOCK + offset]))
+        codes, scales = reference_append_to_block(codes, scales, x, offset)
+        torch.testing.assert_close(storage.scales[0, 0, 2], scales, rtol=1e-6, atol=0)
+        assert torch.equal(storage.kv[0, 0, 2, :offset + 1], codes[:offset + 1])
+
+
 @pytest.mark.skipif("fp8" not in FORMATS, reason="this torch has no float8_e4m3fn")
 def test_fp8_round_trip_is_within_its_relative_precision():
     g = torch.Generator().manual_seed(1)
