@@ -20,6 +20,7 @@ RIGHT = {
     "10": {1: 7, 2: 2, 3: 1456, 4: "b", 5: "c"},
     "11": {1: 7, 2: 1, 3: 73, 4: "b", 5: "a"},
     "12": {1: 7680, 2: 299, 3: "a", 4: "c", 5: "b"},
+    "13": {1: 271, 2: 5, 3: "b", 4: "c", 5: "a"},
 }
 
 # Wrong answers a student might give, each with the misconception behind it: {question: answer}.
@@ -135,6 +136,16 @@ WRONG = {
         ({3: "b"}, "blames attention for a batch-1 step"),
         ({4: "a"}, "thinks repeating heads loses information"),
         ({5: "a"}, "forgets that K/V reads grow with the batch"),
+    ],
+    "13": [
+        ({1: 273}, "forgot the scales' bytes"),
+        ({1: 362}, "gave the int8 total, not the difference"),
+        ({1: 91}, "sized against bf16"),
+        ({2: 4}, "forgot d and m"),
+        ({2: 4.5}, "counted Q4_0's 18 bytes"),
+        ({3: "d"}, "thinks prefix caching fixes the scale"),
+        ({4: "a"}, "thinks per-channel scales save bytes"),
+        ({5: "b"}, "thinks quantization is lossless"),
     ],
 }
 

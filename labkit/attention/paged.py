@@ -10,6 +10,11 @@ implementations of the same contract:
   the Triton interpreter (TRITON_INTERPRET=1 set before triton is first imported), which is slow
   and meant for tests and the lab.
 
+A quantized pool (`kv_cache_dtype="int8"` or "fp8") is read by the torch backend only: per step
+the blocks its tables name are dequantized, once per layer, into a compact buffer the plan gathers
+from, and attention always reads the cache (even in a prefill with nothing cached), so a prompt's
+result does not depend on whether its prefix came from the prefix cache.
+
 A step with no block tables (`meta.block_tables is None`) has nothing cached: every sequence
 attends over its own new tokens (`cu_seqlens_k` must equal `cu_seqlens_q`). The same shortcut
 is taken by the torch backend whenever a batch has no cached prefix, which skips the gather.
@@ -22,7 +27,7 @@ import torch
 
 from labkit.attention import reference
 from labkit.attention.metadata import AttentionMetadata
-from labkit.cache.paged_storage import PagedKVStorage, store_kv
+from labkit.cache.paged_storage import PagedKVStorage
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -50,13 +55,17 @@ class PagedAttentionBackend:
     def __init__(self, storage: PagedKVStorage, backend: str = "auto"):
         self.storage = storage
         self.backend = resolve_backend(backend, storage.device)
+        if self.backend == "triton" and storage.quantized:
+            raise ValueError(f"the triton attention backend reads K/V in the model's dtype only, not "
+                             f"kv_cache_dtype={storage.quant.name!r}: use attention_backend='torch' (the default "
+                             f"on CPU) or kv_cache_dtype='auto'")
         if self.backend == "triton":
             from labkit.attention import triton_kernels
 
             self._store, self._kernels = triton_kernels.store_kvcache, triton_kernels
         else:
-            self._store, self._kernels = store_kv, None
-        self._plan = None  # (metadata, plan) of the step being run
+            self._store, self._kernels = None, None
+        self._plan = None  # (metadata, plan, blocks to dequantize or None) of the step being run
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -64,15 +73,36 @@ class PagedAttentionBackend:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need one row per token")
         k_cache, v_cache = self.storage.layer(layer)
         if meta.slot_mapping is not None:
-            self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+            if self._store is None:
+                self.storage.store(layer, k, v, meta.slot_mapping)
+            else:
+                self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if self._kernels is not None and meta.block_tables is not None:
             return self._kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                  meta.cu_seqlens_k, meta.max_seqlen_q)
-        return self._plan_for(meta, reference.gqa_group_size(q.shape[1], k.shape[1])).run(q, k, v, k_cache, v_cache)
+        plan, read_blocks = self._plan_for(meta, reference.gqa_group_size(q.shape[1], k.shape[1]))
+        if read_blocks is not None:
+            k_cache, v_cache = self.storage.dequantized(layer, read_blocks)
+        return plan.run(q, k, v, k_cache, v_cache)
 
-    def _plan_for(self, meta: AttentionMetadata, group: int) -> reference.PagedAttentionPlan:
-        """The step's plan: made by its first layer, reused by the others (the metadata is immutable)."""
+    def _plan_for(self, meta: AttentionMetadata,
+                  group: int) -> tuple[reference.PagedAttentionPlan, torch.Tensor | None]:
+        """The step's plan: made by its first layer, reused by the others (the metadata is immutable).
+        A quantized pool's plan gathers from the step's dequantized blocks, renumbered 0..n-1."""
         if self._plan is None or self._plan[0] is not meta:
-            self._plan = meta, reference.PagedAttentionPlan(meta.cu_seqlens_q, meta.cu_seqlens_k, meta.block_tables,
-                                                            self.storage.block_size, group)
-        return self._plan[1]
+            tables, read_blocks = meta.block_tables, None
+            if self.storage.quantized and tables is not None:
+                read_blocks, tables = compact_block_tables(tables)
+            plan = reference.PagedAttentionPlan(meta.cu_seqlens_q, meta.cu_seqlens_k, tables, self.storage.block_size,
+                                                group, always_read_cache=self.storage.quantized)
+            self._plan = meta, plan, read_blocks
+        return self._plan[1], self._plan[2]
+
+
+def compact_block_tables(block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct block ids the tables use, the tables renumbered to index them; -1 stays -1)."""
+    used = block_tables >= 0
+    block_ids, renumbered = torch.unique(block_tables[used], return_inverse=True)
+    tables = torch.full_like(block_tables, -1)
+    tables[used] = renumbered.to(tables.dtype)
+    return block_ids.to(torch.int64), tables

@@ -34,8 +34,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from labkit.cache.sequence_blocks import SequenceBlocks
 
 
@@ -78,16 +76,16 @@ class PrefixCacheStats:
 class BlockStorage(Protocol):
     """Where swap_out / swap_in copy a sequence's K/V, and copy-on-write copies blocks (PagedKVStorage)."""
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
+    def read_blocks(self, block_ids: list[int]) -> object: ...
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None: ...
+    def write_blocks(self, block_ids: list[int], data: object) -> None: ...
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
 
 @dataclass
 class _SwappedKV:
-    data: torch.Tensor  # a CPU copy of the sequence's blocks, as read_blocks returned it
+    data: object  # a CPU copy of the sequence's blocks, as read_blocks returned it (opaque here)
     num_blocks: int
 
 

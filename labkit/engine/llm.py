@@ -5,6 +5,7 @@
     outputs[0].text, outputs[0].token_ids, outputs[0].finish_reason, outputs[0].metrics.ttft
     outputs[0].outputs[i]          # sample i of n (SamplingParams(n=...)): .text, .token_ids, .logprobs
     llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, max_tokens=8))
+    LLM("smollm2", kv_cache_dtype="int8")     # K/V as int8 with per-block scales: ~4x the fp32 blocks
 
 Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model
 runner runs one forward pass over it, the engine samples (forking a request's n samples off its
@@ -49,7 +50,7 @@ class LLM:
                  long_prefill_token_threshold: int = 0, priority_aging_steps: int | None = 50,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
-                 use_cuda_graph: bool = True):
+                 use_cuda_graph: bool = True, kv_cache_dtype: str = "auto"):
         if isinstance(model, DecoderModel):  # already loaded: several engines can share one model
             if tokenizer is None:
                 raise ValueError("an already-loaded model needs its tokenizer: pass tokenizer=")
@@ -70,9 +71,10 @@ class LLM:
                 profile = profile_cuda_memory(self.model, max_num_batched_tokens, max_num_seqs, largest_decode)
             num_kvcache_blocks = num_blocks_for_memory(
                 config, block_size, self.model.dtype, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
-                cpu_kv_cache_bytes=cpu_kv_cache_bytes, max_model_len=max_model_len)
+                cpu_kv_cache_bytes=cpu_kv_cache_bytes, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
         self.storage = PagedKVStorage(config.num_layers, num_kvcache_blocks, block_size, config.num_kv_heads,
-                                      config.head_dim, dtype=self.model.dtype, device=self.device)
+                                      config.head_dim, dtype=self.model.dtype, device=self.device,
+                                      kv_cache_dtype=kv_cache_dtype)
         self.block_manager = BlockManager(num_kvcache_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(

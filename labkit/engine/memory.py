@@ -46,16 +46,16 @@ class MemoryProfile:
                 f"{_gib(self.graph_pool)} for CUDA graphs")
 
 
-def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block for every layer."""
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one block for every layer (quantized: one byte per value plus the per-head scales)."""
     return config.num_layers * PagedKVStorage.bytes_per_block_per_layer(
-        block_size, config.num_kv_heads, config.head_dim, dtype)
+        block_size, config.num_kv_heads, config.head_dim, dtype, kv_cache_dtype)
 
 
 def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, *, profile: MemoryProfile | None = None,
                           gpu_memory_utilization: float = 0.9,
                           cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
-                          max_model_len: int | None = None) -> int:
+                          max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> int:
     """How many KV blocks fit: the GPU's budget after a profile run, or the CPU's fixed budget.
 
     An engine whose cache cannot hold one block, or one sequence of `max_model_len` tokens, is an
@@ -67,10 +67,10 @@ def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, *, profil
         budget, where = int(cpu_kv_cache_bytes), f"the CPU budget cpu_kv_cache_bytes={int(cpu_kv_cache_bytes)}"
     else:
         budget, where = profile.kv_cache_budget(gpu_memory_utilization), profile.explain(gpu_memory_utilization)
-    per_block = kv_bytes_per_block(config, block_size, dtype)
+    per_block = kv_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
     num_blocks = max(budget, 0) // per_block
     fix = ("raise gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or use a smaller dtype"
-           if profile is not None else "raise cpu_kv_cache_bytes")
+           if profile is not None else "raise cpu_kv_cache_bytes or use kv_cache_dtype='int8'")
     if num_blocks < 1:
         raise ValueError(f"the KV cache does not fit: {where} leaves {_gib(budget)} ({budget} bytes), and one "
                          f"block of {block_size} tokens needs {per_block} bytes; {fix}")
