@@ -11,7 +11,7 @@ RIGHT = {
     "01": {1: "b", 2: 3, 3: 5, 4: 8064, 5: "b"},
     "02": {1: 22.5, 2: "a", 3: 8, 4: "a", 5: "b"},
     "03": {1: 0.498, 2: "a", 3: 0.257, 4: "a", 5: "c"},
-    "04": {1: 4, 2: 3072, 3: "a", 4: "b", 5: "b"},
+    "04": {1: 4, 2: 3072, 3: "a", 4: "b", 5: "b", 6: 50},
     "05": {1: 3, 2: 46080, 3: "a", 4: "b", 5: "b"},
     "06": {1: 3, 2: 3, 3: "a", 4: "b", 5: "b"},
     "07": {1: 4, 2: 14, 3: 8, 4: "b", 5: "a"},
@@ -65,6 +65,8 @@ WRONG = {
         ({3: "d"}, "thinks decode needs a mask"),
         ({4: "a"}, "thinks the cache approximates"),
         ({5: "a"}, "kept the book's formula"),
+        ({6: 37.5}, "divided the gaps by the number of tokens"),
+        ({6: 112.5}, "counted the wait for the first token"),
     ],
     "05": [
         ({1: 9}, "counted query heads"),
