@@ -309,3 +309,49 @@ WRONG += [
     Wrong("generate_timed", "TPOT includes the wait for the first token",
           lambda *a: generate_loop(*a, tpot_with_ttft=True), "is not part of it"),
 ]
+
+
+# ---- count_work --------------------------------------------------------------------------------------
+
+def counter(*, per_token=3, square=True, prefill=True, offset=0, uncached_projections=True):
+    def count_work(prompt_len, decode_steps, *, cached):
+        projections = per_token * prompt_len if prefill else 0
+        scores = prompt_len**2 if prefill else 0
+        for step in range(1, decode_steps + 1):
+            length = prompt_len + step + offset
+            projections += per_token * (1 if cached or not uncached_projections else length)
+            scores += length if cached or not square else length**2
+        return projections, scores
+
+    return count_work
+
+
+def count_closed_form(prompt_len, decode_steps, *, cached):
+    n, m = prompt_len, decode_steps
+    lengths = sum(range(n + 1, n + m + 1))
+    if cached:
+        return 3 * (n + m), n * n + lengths
+    return 3 * (n + lengths), n * n + sum(k * k for k in range(n + 1, n + m + 1))
+
+
+RIGHT += [
+    Right("count_work", "a loop over the decode steps", counter()),
+    Right("count_work", "closed-form sums", count_closed_form),
+]
+
+WRONG += [
+    Wrong("count_work", "one projection per token", counter(per_token=1), "three, for Q, K and V"),
+    Wrong("count_work", "K and V projections only", counter(per_token=2), "counts K and V only"),
+    Wrong("count_work", "uncached steps score one row", counter(square=False), "not one row"),
+    Wrong("count_work", "left out the prefill", counter(prefill=False), "prefill's projections are missing"),
+    Wrong("count_work", "sequence length one short", counter(offset=-1), "off by one"),
+    Wrong("count_work", "uncached steps project one token", counter(uncached_projections=False),
+          "re-projects the whole sequence"),
+    Wrong("count_work", "calls labkit's counter",
+          lambda n, m, *, cached: (we_projection_matvecs(n, m, cached=cached), counter()(n, m, cached=cached)[1]),
+          "`projection_matvecs`", calls="labkit.worked_example.projection_matvecs"),
+]
+
+
+def we_projection_matvecs(n, m, *, cached):
+    return ref.projection_matvecs(n, m, cached=cached)

@@ -292,6 +292,59 @@ def generate_timed(ns):
     return "prefill once, then one token per step until EOS or max_new_tokens; TTFT and TPOT from the clock"
 
 
+# ---- counting the work ---------------------------------------------------------------------------------
+
+def _score_dot_products(prompt_len, decode_steps, *, cached, square=True, prefill=True, offset=0):
+    """Query-key dot products for one head; the keywords reproduce the usual miscounts."""
+    total = prompt_len**2 if prefill else 0
+    for step in range(1, decode_steps + 1):
+        length = prompt_len + step + offset
+        total += length if cached or not square else length**2
+    return total
+
+
+@exercise("04", "count_work", forbidden=("labkit.worked_example.projection_matvecs",
+                                         "labkit.grading.labs.lab04._score_dot_products"))
+def count_work(ns):
+    fn = require(ns, "count_work")
+    cases = [(2, 3), (512, 512), (4096, 64), (64, 4096), (7, 0), (1, 1), (100, 37)]
+    for n, m in cases:
+        for cached in (True, False):
+            got = fn(n, m, cached=cached)
+            where = f"count_work({n}, {m}, cached={cached})"
+            if not isinstance(got, tuple) or len(got) != 2 or not all(isinstance(v, int) for v in got):
+                raise ExerciseFailed(f"{where}: return two ints (projections, score dot products), got {got!r:.80}")
+            projections, scores = got
+            want_p = ref.projection_matvecs(n, m, cached=cached)
+            want_s = _score_dot_products(n, m, cached=cached)
+            if projections != want_p:
+                if projections == ref.projection_matvecs(n, m, cached=cached, per_token=1):
+                    raise ExerciseFailed(f"{where}: {projections} projections counts one per token; each token "
+                                         "processed needs three, for Q, K and V")
+                if projections == ref.projection_matvecs(n, m, cached=cached, per_token=2):
+                    raise ExerciseFailed(f"{where}: {projections} projections counts K and V only; the query "
+                                         "is projected too (three per token)")
+                if projections == want_p - 3 * n:
+                    raise ExerciseFailed(f"{where}: the prefill's projections are missing; count the whole "
+                                         "generation, prompt included")
+                if not cached and projections == ref.projection_matvecs(n, m, cached=True):
+                    raise ExerciseFailed(f"{where}: without a cache each decode step re-projects the whole "
+                                         "sequence, n + s tokens at step s")
+                raise ExerciseFailed(f"{where}: expected {want_p} projections, got {projections}")
+            if scores != want_s:
+                if not cached and scores == _score_dot_products(n, m, cached=False, square=False):
+                    raise ExerciseFailed(f"{where}: without a cache a step recomputes the whole (n+s) x (n+s) score "
+                                         "matrix, not one row: that is where O(m (n+m)^2) comes from")
+                if scores == _score_dot_products(n, m, cached=cached, prefill=False):
+                    raise ExerciseFailed(f"{where}: the prefill's n x n scores are missing")
+                if scores in (_score_dot_products(n, m, cached=cached, offset=-1),
+                              _score_dot_products(n, m, cached=cached, offset=1)) and m:
+                    raise ExerciseFailed(f"{where}: off by one: at decode step s (1 .. m) the sequence holds n + s "
+                                         "tokens, the new one included, and the query sees all of them")
+                raise ExerciseFailed(f"{where}: expected {want_s} score dot products, got {scores}")
+    return "projections and score dot products, cached O(nm + m^2) and uncached O(m(n+m)^2), exact"
+
+
 @exercise("04", "knowledge_check")
 def knowledge_check(ns):
     from labkit.grading.quiz import Choice, Number, grade_answers
