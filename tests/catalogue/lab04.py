@@ -355,3 +355,36 @@ WRONG += [
 
 def we_projection_matvecs(n, m, *, cached):
     return ref.projection_matvecs(n, m, cached=cached)
+
+
+class BooksCachePerLayer:
+    """Leans on the worked example's KVCache (torch.cat per append) for storage."""
+
+    def __init__(self, num_layers, num_heads, head_dim, capacity=4, max_len=64):
+        self.layers = [ref.KVCache(num_heads, head_dim) for _ in range(num_layers)]
+        self.capacity = capacity
+
+    def seq_len(self, layer):
+        return len(self.layers[layer])
+
+    def append(self, layer, k, v):
+        self.layers[layer].append(k.double(), v.double())
+
+    def get(self, layer):
+        return self.layers[layer].keys.float(), self.layers[layer].values.float()
+
+
+def replays_the_grader(model, prompt_ids, max_new_tokens, eos_id, clock):
+    from labkit.grading.labs.lab04 import _reference_generation
+
+    tokens, ttft, tpot, _ = _reference_generation(prompt_ids, max_new_tokens, eos_id, model.vocab_size,
+                                                  model.prefill_ms, model.step_ms)
+    return tokens, ttft, tpot
+
+
+WRONG += [
+    Wrong("GrowingKVCache", "stores through the book's KVCache", BooksCachePerLayer, "`append`",
+          calls="labkit.worked_example.KVCache.append"),
+    Wrong("generate_timed", "replays the grader's reference", replays_the_grader, "`_reference_generation`",
+          calls="labkit.grading.labs.lab04._reference_generation"),
+]

@@ -342,3 +342,39 @@ def _labkit_mlp(x, gate_up, down):
         mlp.up_proj.weight.copy_(gate_up[inter:])
         mlp.down_proj.weight.copy_(down)
         return mlp(x)
+
+
+def layer_via_labkit(x, positions, weights, cache, config):
+    """Loads the weights into labkit's DecoderLayer and runs it: labkit's answer, not the student's."""
+    from labkit.cache import KVCache
+    from labkit.model.config import ModelConfig
+    from labkit.model.generate import step_metadata
+    from labkit.model.layers import DecoderLayer, rope_cos_sin, rope_inv_freq
+
+    hq, hkv, d = config["num_heads"], config["num_kv_heads"], config["head_dim"]
+    hidden, inter = x.shape[1], weights["down"].shape[1]
+    layer = DecoderLayer(ModelConfig("llama", 10, hidden, inter, 1, hq, hkv, d, 64, config["eps"],
+                                     config["rope_theta"], True), 0)
+    backend, cached = KVCache(1), cache["k"].shape[1]
+    backend.keys[0], backend.values[0] = cache["k"][None], cache["v"][None]
+    q_rows, kv_rows = hq * d, hkv * d
+    with torch.no_grad():
+        layer.input_layernorm.weight.copy_(weights["input_norm"])
+        layer.post_attention_layernorm.weight.copy_(weights["post_norm"])
+        layer.self_attn.q_proj.weight.copy_(weights["qkv"][:q_rows])
+        layer.self_attn.k_proj.weight.copy_(weights["qkv"][q_rows:q_rows + kv_rows])
+        layer.self_attn.v_proj.weight.copy_(weights["qkv"][q_rows + kv_rows:])
+        layer.self_attn.o_proj.weight.copy_(weights["o"])
+        layer.mlp.gate_proj.weight.copy_(weights["gate_up"][:inter])
+        layer.mlp.up_proj.weight.copy_(weights["gate_up"][inter:])
+        layer.mlp.down_proj.weight.copy_(weights["down"])
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(d, config["rope_theta"]), torch.float32)
+        out = layer(x, cos, sin, step_metadata(1, x.shape[0], cached, "cpu"), backend)
+    cache["k"], cache["v"] = backend.keys[0][0], backend.values[0][0]
+    return out
+
+
+WRONG += [
+    Wrong("decoder_layer", "runs labkit's DecoderLayer", layer_via_labkit, "`forward`",
+          calls="labkit.model.layers.DecoderLayer.forward"),
+]

@@ -99,7 +99,7 @@ def _expect_contents(cache, layer, keys, values, when):
                                  "(does every layer have its own storage?)")
 
 
-@exercise("04", "GrowingKVCache", forbidden=("labkit.cache.kv_cache.PreallocatedKVCache.__call__",
+@exercise("04", "GrowingKVCache", forbidden=("labkit.cache.kv_cache.PreallocatedKVCache.update",
                                              "labkit.worked_example.KVCache.append"))
 def growing_kv_cache(ns):
     cls = require(ns, "GrowingKVCache", type)
@@ -227,7 +227,8 @@ def _generation_cases():
     ]
 
 
-@exercise("04", "generate_timed", forbidden=("labkit.model.generate.generate", "labkit.worked_example.generate"))
+@exercise("04", "generate_timed", forbidden=("labkit.model.generate.generate", "labkit.worked_example.generate",
+                                             "labkit.grading.labs.lab04._reference_generation"))
 def generate_timed(ns):
     fn = require(ns, "generate_timed")
     for name, prompt, max_new, eos, vocab, prefill_ms, step_ms in _generation_cases():
