@@ -11,8 +11,8 @@ RIGHT = {
     "01": {1: "b", 2: 3, 3: 5, 4: 8064, 5: "b"},
     "02": {1: 22.5, 2: "a", 3: 8, 4: "a", 5: "b"},
     "03": {1: 0.498, 2: "a", 3: 0.257, 4: "a", 5: "c"},
-    "04": {1: 4, 2: 3072, 3: "a", 4: "b", 5: "b"},
-    "05": {1: 3, 2: 46080, 3: "a", 4: "b", 5: "b"},
+    "04": {1: 4, 2: 3072, 3: "a", 4: "b", 5: "b", 6: 50},
+    "05": {1: 3, 2: 46080, 3: "a", 4: "b", 5: "b", 6: 960},
     "06": {1: 3, 2: 3, 3: "a", 4: "b", 5: "b"},
     "07": {1: 4, 2: 14, 3: 8, 4: "b", 5: "a"},
     "08": {1: 69, 2: 2, 3: 36, 4: "a", 5: "a"},
@@ -67,6 +67,8 @@ WRONG = {
         ({3: "d"}, "thinks decode needs a mask"),
         ({4: "a"}, "thinks the cache approximates"),
         ({5: "a"}, "kept the book's formula"),
+        ({6: 37.5}, "divided the gaps by the number of tokens"),
+        ({6: 112.5}, "counted the wait for the first token"),
     ],
     "05": [
         ({1: 9}, "counted query heads"),
@@ -75,6 +77,8 @@ WRONG = {
         ({3: "c"}, "thinks RMSNorm has no scale"),
         ({4: "a"}, "thinks rotary adds position vectors"),
         ({5: "a"}, "believes the cached step is flat"),
+        ({6: 8640}, "wrote the hidden size for head_dim, as the nano-vLLM walk-through does"),
+        ({6: 1728}, "gave every query head its own K and V"),
     ],
     "06": [
         ({1: 2}, "dropped the token that crosses the threshold"),

@@ -209,3 +209,172 @@ WRONG = [
     Wrong("attention_with_cache", "calls labkit's causal_attention", labkit_causal,
           "`causal_attention`", calls="labkit.attention.dense.causal_attention"),
 ]
+
+
+# ---- swiglu_mlp
+
+
+def swiglu(x, gate_up, down, *, swap=False, interleaved=False, act=F.silu, act_after_product=False, use_up=True):
+    both = x @ gate_up.T
+    gate, up = (both[..., 0::2], both[..., 1::2]) if interleaved else both.chunk(2, dim=-1)
+    if swap:
+        gate, up = up, gate
+    hidden = act(gate * up) if act_after_product else act(gate) * (up if use_up else 1.0)
+    return hidden @ down.T
+
+
+def swiglu_split_weights(x, gate_up, down):
+    """Split the weight, not the output: two matmuls with F.linear, sigmoid written out."""
+    inter = gate_up.shape[0] // 2
+    gate = F.linear(x, gate_up[:inter])
+    return F.linear(gate * torch.sigmoid(gate) * F.linear(x, gate_up[inter:]), down)
+
+
+# ---- decoder_layer (self-contained answers: the catalogue's namespace holds nothing else)
+
+
+def layer_answer(*, attn_residual=True, mlp_residual=True, post_norm=False, one_norm=False, rotate_k=True,
+                 rotate_v=False, o_proj=True, hidden_widths=False, positions_from_zero=False):
+    def norm(x, w, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rotate(x, positions, theta):
+        d = x.shape[-1]
+        angles = positions.float()[:, None] / theta ** (torch.arange(0, d, 2).float() / d)
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+    def decoder_layer(x, positions, weights, cache, config):
+        n, hq, hkv, d = x.shape[0], config["num_heads"], config["num_kv_heads"], config["head_dim"]
+        if positions_from_zero:
+            positions = torch.arange(n)
+        h = x if post_norm else norm(x, weights["input_norm"], config["eps"])
+        width = x.shape[1] if hidden_widths else d  # nano-vLLM walk-through's H in place of head_dim
+        q, k, v = (h @ weights["qkv"].T).split([hq * width, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.reshape(n, hq, d), k.reshape(n, hkv, d), v.reshape(n, hkv, d)
+        q = rotate(q, positions, config["rope_theta"])
+        k = rotate(k, positions, config["rope_theta"]) if rotate_k else k
+        v = rotate(v, positions, config["rope_theta"]) if rotate_v else v
+        cache["k"] = torch.cat([cache["k"], k.transpose(0, 1)], 1)
+        cache["v"] = torch.cat([cache["v"], v.transpose(0, 1)], 1)
+        keys, values = (cache[name].repeat_interleave(hq // hkv, 0) for name in ("k", "v"))
+        total = keys.shape[1]
+        scores = q.transpose(0, 1) @ keys.transpose(1, 2) / d**0.5
+        allowed = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+        out = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1).reshape(n, -1)
+        out = out @ weights["o"].T if o_proj else out
+        x = x + out if attn_residual else out
+        if post_norm:
+            x = norm(x, weights["input_norm"], config["eps"])
+        h = x if post_norm else norm(x, weights["input_norm" if one_norm else "post_norm"], config["eps"])
+        mlp = swiglu(h, weights["gate_up"], weights["down"])
+        x = x + mlp if mlp_residual else mlp
+        return norm(x, weights["post_norm"], config["eps"]) if post_norm else x
+
+    return decoder_layer
+
+
+def layer_with_sdpa(x, positions, weights, cache, config):
+    """Separate q/k/v row blocks, labkit's rotary, SDPA with grouped-query heads and an offset mask."""
+    n, hq, hkv, d = x.shape[0], config["num_heads"], config["num_kv_heads"], config["head_dim"]
+    normed = F.rms_norm(x, (x.shape[-1],), weights["input_norm"], config["eps"])
+    w_q, w_k, w_v = weights["qkv"][:hq * d], weights["qkv"][hq * d:(hq + hkv) * d], weights["qkv"][(hq + hkv) * d:]
+    inv_freq = 1.0 / config["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+    angles = positions.float()[:, None] * inv_freq
+    q = apply_rotary((normed @ w_q.T).view(n, hq, d), angles.cos(), angles.sin())
+    k = apply_rotary((normed @ w_k.T).view(n, hkv, d), angles.cos(), angles.sin())
+    cache["k"] = torch.cat([cache["k"], k.transpose(0, 1)], 1)
+    cache["v"] = torch.cat([cache["v"], (normed @ w_v.T).view(n, hkv, d).transpose(0, 1)], 1)
+    total = cache["k"].shape[1]
+    mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), cache["k"], cache["v"], attn_mask=mask, enable_gqa=True)
+    x = x + F.linear(out.transpose(0, 1).reshape(n, hq * d), weights["o"])
+    normed = F.rms_norm(x, (x.shape[-1],), weights["post_norm"], config["eps"])
+    gate, up = F.linear(normed, weights["gate_up"]).chunk(2, -1)
+    return x + F.linear(F.silu(gate) * up, weights["down"])
+
+
+RIGHT += [
+    Right("swiglu_mlp", "one matmul, output halves", lambda x, gu, dw: swiglu(x, gu, dw)),
+    Right("swiglu_mlp", "weight halves, sigmoid written out", swiglu_split_weights),
+    Right("decoder_layer", "everything by hand", layer_answer()),
+    Right("decoder_layer", "row blocks, F.rms_norm and SDPA with enable_gqa", layer_with_sdpa),
+]
+
+WRONG += [
+    Wrong("swiglu_mlp", "gate and up swapped", lambda x, gu, dw: swiglu(x, gu, dw, swap=True), "swapped"),
+    Wrong("swiglu_mlp", "split into even and odd columns", lambda x, gu, dw: swiglu(x, gu, dw, interleaved=True),
+          "even and odd columns"),
+    Wrong("swiglu_mlp", "silu on the product", lambda x, gu, dw: swiglu(x, gu, dw, act_after_product=True),
+          "silu was applied to gate * up"),
+    Wrong("swiglu_mlp", "GELU, as GPT-2's MLP", lambda x, gu, dw: swiglu(x, gu, dw, act=F.gelu),
+          "GELU instead of SiLU"),
+    Wrong("swiglu_mlp", "ReLU", lambda x, gu, dw: swiglu(x, gu, dw, act=F.relu), "ReLU instead of SiLU"),
+    Wrong("swiglu_mlp", "no up projection", lambda x, gu, dw: swiglu(x, gu[: gu.shape[0] // 2].repeat(2, 1), dw,
+                                                                       use_up=False), "up projection was left out"),
+    Wrong("swiglu_mlp", "forgot the down projection", lambda x, gu, dw: F.silu(x @ gu.T), "did you apply down_weight"),
+    Wrong("swiglu_mlp", "calls labkit's MLP", lambda x, gu, dw: _labkit_mlp(x, gu, dw), "`forward` is labkit's answer",
+          calls="labkit.model.layers.MLP.forward"),
+    Wrong("decoder_layer", "no residual around attention", layer_answer(attn_residual=False),
+          "attention's residual is missing"),
+    Wrong("decoder_layer", "no residual around the MLP", layer_answer(mlp_residual=False), "MLP's residual is missing"),
+    Wrong("decoder_layer", "post-norm, as the original Transformer", layer_answer(post_norm=True), "post-norm"),
+    Wrong("decoder_layer", "one norm weight for both sublayers", layer_answer(one_norm=True), "its own weight"),
+    Wrong("decoder_layer", "keys not rotated", layer_answer(rotate_k=False), "keys were not rotated"),
+    Wrong("decoder_layer", "values rotated too", layer_answer(rotate_v=True), "values were rotated too"),
+    Wrong("decoder_layer", "no output projection", layer_answer(o_proj=False), "output projection o was left out"),
+    Wrong("decoder_layer", "every step rotated from position 0", layer_answer(positions_from_zero=True),
+          "prefill is right but later steps are not"),
+    Wrong("decoder_layer", "QKV widths with H for head_dim (nano-vLLM walk-through)",
+          layer_answer(hidden_widths=True), "split it with head_dim, not the hidden size"),
+]
+
+
+def _labkit_mlp(x, gate_up, down):
+    from labkit.model.config import ModelConfig
+    from labkit.model.layers import MLP
+
+    inter, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
+    mlp = MLP(ModelConfig("llama", 10, hidden, inter, 1, 2, 1, 2, 8, 1e-5, 1e4, True))
+    with torch.no_grad():
+        mlp.gate_proj.weight.copy_(gate_up[:inter])
+        mlp.up_proj.weight.copy_(gate_up[inter:])
+        mlp.down_proj.weight.copy_(down)
+        return mlp(x)
+
+
+def layer_via_labkit(x, positions, weights, cache, config):
+    """Loads the weights into labkit's DecoderLayer and runs it: labkit's answer, not the student's."""
+    from labkit.cache import KVCache
+    from labkit.model.config import ModelConfig
+    from labkit.model.generate import step_metadata
+    from labkit.model.layers import DecoderLayer, rope_cos_sin, rope_inv_freq
+
+    hq, hkv, d = config["num_heads"], config["num_kv_heads"], config["head_dim"]
+    hidden, inter = x.shape[1], weights["down"].shape[1]
+    layer = DecoderLayer(ModelConfig("llama", 10, hidden, inter, 1, hq, hkv, d, 64, config["eps"],
+                                     config["rope_theta"], True), 0)
+    backend, cached = KVCache(1), cache["k"].shape[1]
+    backend.keys[0], backend.values[0] = cache["k"][None], cache["v"][None]
+    q_rows, kv_rows = hq * d, hkv * d
+    with torch.no_grad():
+        layer.input_layernorm.weight.copy_(weights["input_norm"])
+        layer.post_attention_layernorm.weight.copy_(weights["post_norm"])
+        layer.self_attn.q_proj.weight.copy_(weights["qkv"][:q_rows])
+        layer.self_attn.k_proj.weight.copy_(weights["qkv"][q_rows:q_rows + kv_rows])
+        layer.self_attn.v_proj.weight.copy_(weights["qkv"][q_rows + kv_rows:])
+        layer.self_attn.o_proj.weight.copy_(weights["o"])
+        layer.mlp.gate_proj.weight.copy_(weights["gate_up"][:inter])
+        layer.mlp.up_proj.weight.copy_(weights["gate_up"][inter:])
+        layer.mlp.down_proj.weight.copy_(weights["down"])
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(d, config["rope_theta"]), torch.float32)
+        out = layer(x, cos, sin, step_metadata(1, x.shape[0], cached, "cpu"), backend)
+    cache["k"], cache["v"] = backend.keys[0][0], backend.values[0][0]
+    return out
+
+
+WRONG += [
+    Wrong("decoder_layer", "runs labkit's DecoderLayer", layer_via_labkit, "`forward`",
+          calls="labkit.model.layers.DecoderLayer.forward"),
+]

@@ -1,5 +1,9 @@
 """Lab 04: decoding with a KV cache. Graders test the student's functions on fresh random inputs
-against `labkit.worked_example`, and name the usual mistakes."""
+against `labkit.worked_example` (or a model and a clock the grader scripts), and name the usual
+mistakes."""
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +71,281 @@ def append_and_attend(ns):
     return "appended one row, attended over all cached positions and itself"
 
 
+# ---- a KV cache that grows ----------------------------------------------------------------------
+
+def _raised(call):
+    """(type name, message) of what `call` raised, or None; a student's error crosses as RemoteError."""
+    try:
+        call()
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        return getattr(error, "type_name", type(error).__name__), str(error)
+    return None
+
+
+def _expect_contents(cache, layer, keys, values, when):
+    got = cache.get(layer)
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise ExerciseFailed(f"get(layer) must return (keys, values), got {type(got).__name__}")
+    if isinstance(got[0], torch.Tensor) and got[0].dim() == 3 and got[0].shape[1] == cache.capacity \
+            and keys.shape[1] != cache.capacity:
+        raise ExerciseFailed(f"{when}: get returned all {cache.capacity} reserved rows; return only the "
+                             f"{keys.shape[1]} filled ones (the rest is unused space)")
+    for value, want, what in ((got[0], keys, "keys"), (got[1], values, "values")):
+        expect_tensor(value, tuple(want.shape), f"{when}: layer {layer}'s {what} [heads, tokens, head_dim]")
+        if not torch.equal(value, want):
+            raise ExerciseFailed(f"{when}: layer {layer}'s {what} are not the rows appended to it, in order "
+                                 "(does every layer have its own storage?)")
+
+
+@exercise("04", "GrowingKVCache", forbidden=("labkit.cache.kv_cache.PreallocatedKVCache.update",
+                                             "labkit.worked_example.KVCache.append"))
+def growing_kv_cache(ns):
+    cls = require(ns, "GrowingKVCache", type)
+    layers, heads, head_dim, max_len = 2, 2, 3, 10
+    cache = cls(layers, heads, head_dim, capacity=2, max_len=max_len)
+    g = torch.Generator().manual_seed(47)
+    keys = [torch.randn(heads, max_len, head_dim, generator=g) for _ in range(layers)]
+    values = [torch.randn(heads, max_len, head_dim, generator=g) for _ in range(layers)]
+    if cache.capacity != 2:
+        raise ExerciseFailed(f"a new cache reserves `capacity` rows: expected 2, got {cache.capacity!r}")
+    _expect_contents(cache, 0, keys[0][:, :0], values[0][:, :0], "a new cache")
+    # (rows appended, capacity expected afterwards): a prefill of 3, two decode steps, a chunk of 4, one more
+    length = 0
+    for n, capacity in ((3, 4), (1, 4), (1, 8), (4, 10), (1, 10)):
+        when = f"after appending {n} to {length} rows"
+        for layer in range(layers):
+            step = slice(length, length + n)
+            failure = _raised(lambda layer=layer, step=step: cache.append(layer, keys[layer][:, step],
+                                                                          values[layer][:, step]))
+            if failure:
+                raise ExerciseFailed(f"{when} (capacity {cache.capacity}): append raised {failure[0]}: "
+                                     f"{failure[1][:100]}; below max_len={max_len} a full buffer must grow")
+        length += n
+        if cache.capacity != capacity:
+            hint = ("never beyond max_len" if cache.capacity > max_len else
+                    "grow by doubling (at least to what is needed), so that n appends copy O(n) rows in all"
+                    if cache.capacity < capacity else "grow only when the rows do not fit")
+            raise ExerciseFailed(f"{when}: capacity should be {capacity}, got {cache.capacity!r}: {hint}")
+        for layer in range(layers):
+            if cache.seq_len(layer) != length:
+                raise ExerciseFailed(f"{when}: seq_len({layer}) should be {length}, got {cache.seq_len(layer)!r}")
+            _expect_contents(cache, layer, keys[layer][:, :length], values[layer][:, :length], when)
+    extra_k, extra_v = torch.randn(heads, 1, head_dim, generator=g), torch.randn(heads, 1, head_dim, generator=g)
+    failure = _raised(lambda: cache.append(0, extra_k, extra_v))
+    if failure is None:
+        raise ExerciseFailed(f"appending to a cache holding max_len={max_len} rows must raise, not grow past it")
+    if failure[0] != "ValueError" or not any(word in failure[1].lower() for word in ("full", "max_len")):
+        raise ExerciseFailed(f"a full cache should raise ValueError saying it is full (max_len), got "
+                             f"{failure[0]}: {failure[1][:100]}")
+    if cache.seq_len(0) != max_len:
+        raise ExerciseFailed("the append that was refused still changed the cache's length: check before updating")
+    _expect_contents(cache, 0, keys[0], values[0], "after a refused append")
+    small = cls(layers, heads, head_dim, capacity=4, max_len=8)
+    bad_inputs = (
+        ("a key with head_dim 4 instead of 3", (heads, 1, head_dim + 1), (heads, 1, head_dim + 1)),
+        ("a key for 3 heads instead of 2", (heads + 1, 1, head_dim), (heads + 1, 1, head_dim)),
+        ("keys for 2 tokens but values for 1", (heads, 2, head_dim), (heads, 1, head_dim)),
+        ("a key without the heads dimension", (1, head_dim), (1, head_dim)),
+    )
+    for what, k_shape, v_shape in bad_inputs:
+        k, v = torch.zeros(k_shape), torch.zeros(v_shape)
+        failure = _raised(lambda k=k, v=v: small.append(0, k, v))
+        if failure is None or failure[0] != "ValueError":
+            raise ExerciseFailed(f"{what} should raise ValueError naming the expected shape "
+                                 f"[heads, tokens, head_dim], got {'no error' if failure is None else failure[0]}")
+        if small.seq_len(0) != 0:
+            raise ExerciseFailed(f"{what} was refused but still counted: validate before changing anything")
+    return "appends per layer, grows by doubling up to max_len, refuses full appends and bad shapes cleanly"
+
+
+# ---- the generation loop, timed ----------------------------------------------------------------------
+
+@dataclass
+class SimulatedClock:
+    """A clock the grader controls: it moves only when the model below computes."""
+
+    now: float = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class ScriptedLM:
+    """A stand-in model that owns its KV cache: it remembers every token fed to it, and its next token
+    depends on all of them and their positions, so feeding a token twice, or skipping one, changes
+    what it says. Each call advances the clock: a prefill by `prefill_ms` per token, a decode step
+    by the next of `step_ms`."""
+
+    vocab_size: int
+    clock: SimulatedClock
+    prefill_ms: float
+    step_ms: list
+    seen: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+
+    def __call__(self, token_ids) -> torch.Tensor:
+        ids = [int(t) for t in token_ids]
+        cost = self.prefill_ms * len(ids) if not self.calls else self.step_ms[(len(self.calls) - 1) % len(self.step_ms)]
+        self.calls.append(ids)
+        self.seen.extend(ids)
+        self.clock.now += cost / 1e3
+        winner = (sum(i * t for i, t in enumerate(self.seen, 1)) * 31 + 7 * len(self.seen)) % self.vocab_size
+        logits = torch.linspace(-1.0, 1.0, self.vocab_size).roll(winner + 1)  # the runner-up sits next to it
+        logits[winner] = 2.0
+        return logits
+
+
+def _reference_generation(prompt, max_new_tokens, eos_id, vocab_size, prefill_ms, step_ms):
+    clock = SimulatedClock()
+    lm = ScriptedLM(vocab_size, clock, prefill_ms, step_ms)
+    arrival, tokens, stamps = clock(), [], []
+    token = int(lm(prompt).argmax())
+    while True:
+        tokens.append(token)
+        stamps.append(clock())
+        if token == eos_id or len(tokens) == max_new_tokens:
+            break
+        token = int(lm([token]).argmax())
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return tokens, stamps[0] - arrival, tpot, lm.calls
+
+
+def _generation_cases():
+    vocab, prefill_ms, step_ms = 50, 3.0, [11.0, 9.0, 14.0, 10.0, 12.0]
+    prompt = [5, 17, 3, 42, 8]
+    free, *_ = _reference_generation(prompt, 12, -1, vocab, prefill_ms, step_ms)
+    eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # first seen after a few tokens
+    absent = next(t for t in range(vocab) if t not in free)
+    return [
+        ("stops at EOS", prompt, 12, eos, vocab, prefill_ms, step_ms),
+        ("runs to max_new_tokens", prompt, 7, absent, vocab, prefill_ms, step_ms),
+        ("one token only", [9, 4], 1, absent, vocab, prefill_ms, step_ms),
+        ("EOS first", prompt, 12, free[0], vocab, prefill_ms, step_ms),
+    ]
+
+
+@exercise("04", "generate_timed", forbidden=("labkit.model.generate.generate", "labkit.worked_example.generate",
+                                             "labkit.grading.labs.lab04._reference_generation"))
+def generate_timed(ns):
+    fn = require(ns, "generate_timed")
+    for name, prompt, max_new, eos, vocab, prefill_ms, step_ms in _generation_cases():
+        tokens, ttft, tpot, calls = _reference_generation(prompt, max_new, eos, vocab, prefill_ms, step_ms)
+        clock = SimulatedClock()
+        lm = ScriptedLM(vocab, clock, prefill_ms, step_ms)
+        got = fn(lm, list(prompt), max_new, eos, clock)
+        where = f"prompt {prompt}, max_new_tokens={max_new}, eos_id={eos} ({name})"
+        if not isinstance(got, tuple) or len(got) != 3:
+            raise ExerciseFailed(f"return (tokens, ttft, tpot), got {type(got).__name__}")
+        got_tokens, got_ttft, got_tpot = got
+        fed = lm.calls
+        if fed and fed[0] != prompt:
+            if fed[0] == prompt[:1]:
+                raise ExerciseFailed(f"{where}: the prompt was fed one token at a time; a prefill runs the "
+                                     "whole prompt in one call")
+            raise ExerciseFailed(f"{where}: the first call must be the prompt (the prefill), got {fed[0]}")
+        if any(len(call) > 1 for call in fed[1:]):
+            raise ExerciseFailed(f"{where}: a decode step fed {max(len(c) for c in fed[1:])} tokens; the model "
+                                 "keeps its KV cache, so feed it only the newest token, not the whole sequence")
+        if len(fed) > 1 and fed[1] == prompt[-1:] and fed[1] != [tokens[0]]:
+            raise ExerciseFailed(f"{where}: the first decode step re-fed the prompt's last token; feed the token "
+                                 "the prefill just produced")
+        if not isinstance(got_tokens, list | tuple) or not all(isinstance(t, int) for t in got_tokens):
+            raise ExerciseFailed(f"{where}: tokens should be a list of ints, got {got_tokens!r:.80}")
+        got_tokens = list(got_tokens)
+        if got_tokens != tokens:
+            if got_tokens == tokens[:-1] and tokens[-1] == eos:
+                raise ExerciseFailed(f"{where}: EOS was dropped; like the book's loop, append it, then stop")
+            if len(got_tokens) > len(tokens) and got_tokens[:len(tokens)] == tokens:
+                why = ("kept going after EOS: stop once it is generated" if tokens[-1] == eos else
+                       f"generated {len(got_tokens)} tokens: max_new_tokens counts every generated token, "
+                       "the one the prefill produces included")
+                raise ExerciseFailed(f"{where}: {why}")
+            if len(got_tokens) < len(tokens) and got_tokens == tokens[:len(got_tokens)]:
+                raise ExerciseFailed(f"{where}: stopped after {len(got_tokens)} tokens, expected {len(tokens)}")
+            raise ExerciseFailed(f"{where}: expected the greedy tokens {tokens}, got {got_tokens} (the argmax of "
+                                 "each step's logits, each fed back as the next input)")
+        if len(fed) != len(calls):
+            raise ExerciseFailed(f"{where}: {len(fed)} model calls for {len(tokens)} tokens; one prefill and one "
+                                 f"decode step per further token make {len(calls)} (no call after the last token)")
+        if not isinstance(got_ttft, int | float) or not math.isclose(got_ttft, ttft, abs_tol=1e-9):
+            if isinstance(got_ttft, int | float) and math.isclose(got_ttft, 0.0, abs_tol=1e-9):
+                raise ExerciseFailed(f"{where}: TTFT came out 0: read the clock when the request arrives, "
+                                     "before the prefill")
+            raise ExerciseFailed(f"{where}: TTFT should be {ttft:.4f} s (first token's time minus the arrival), "
+                                 f"got {got_ttft!r}")
+        n = len(tokens)
+        if tpot is None:
+            if got_tpot is not None:
+                raise ExerciseFailed(f"{where}: one token has no gap after it: its TPOT is None, not {got_tpot!r}")
+            continue
+        if not isinstance(got_tpot, int | float):
+            raise ExerciseFailed(f"{where}: TPOT should be a number of seconds, got {got_tpot!r}")
+        if math.isclose(got_tpot, tpot * (n - 1) / n, abs_tol=1e-9):
+            raise ExerciseFailed(f"{where}: {n} tokens have {n - 1} gaps between them; TPOT divides by n - 1")
+        if math.isclose(got_tpot, (ttft + tpot * (n - 1)) / n, abs_tol=1e-9):
+            raise ExerciseFailed(f"{where}: TPOT is the pace after the first token; the wait for the first one "
+                                 "(TTFT) is not part of it")
+        if not math.isclose(got_tpot, tpot, abs_tol=1e-9):
+            raise ExerciseFailed(f"{where}: TPOT should be {tpot:.4f} s (mean gap between tokens), got {got_tpot!r}")
+    return "prefill once, then one token per step until EOS or max_new_tokens; TTFT and TPOT from the clock"
+
+
+# ---- counting the work ---------------------------------------------------------------------------------
+
+def _score_dot_products(prompt_len, decode_steps, *, cached, square=True, prefill=True, offset=0):
+    """Query-key dot products for one head; the keywords reproduce the usual miscounts."""
+    total = prompt_len**2 if prefill else 0
+    for step in range(1, decode_steps + 1):
+        length = prompt_len + step + offset
+        total += length if cached or not square else length**2
+    return total
+
+
+@exercise("04", "count_work", forbidden=("labkit.worked_example.projection_matvecs",
+                                         "labkit.grading.labs.lab04._score_dot_products"))
+def count_work(ns):
+    fn = require(ns, "count_work")
+    cases = [(2, 3), (512, 512), (4096, 64), (64, 4096), (7, 0), (1, 1), (100, 37)]
+    for n, m in cases:
+        for cached in (True, False):
+            got = fn(n, m, cached=cached)
+            where = f"count_work({n}, {m}, cached={cached})"
+            if not isinstance(got, tuple) or len(got) != 2 or not all(isinstance(v, int) for v in got):
+                raise ExerciseFailed(f"{where}: return two ints (projections, score dot products), got {got!r:.80}")
+            projections, scores = got
+            want_p = ref.projection_matvecs(n, m, cached=cached)
+            want_s = _score_dot_products(n, m, cached=cached)
+            if projections != want_p:
+                if projections == ref.projection_matvecs(n, m, cached=cached, per_token=1):
+                    raise ExerciseFailed(f"{where}: {projections} projections counts one per token; each token "
+                                         "processed needs three, for Q, K and V")
+                if projections == ref.projection_matvecs(n, m, cached=cached, per_token=2):
+                    raise ExerciseFailed(f"{where}: {projections} projections counts K and V only; the query "
+                                         "is projected too (three per token)")
+                if projections == want_p - 3 * n:
+                    raise ExerciseFailed(f"{where}: the prefill's projections are missing; count the whole "
+                                         "generation, prompt included")
+                if not cached and projections == ref.projection_matvecs(n, m, cached=True):
+                    raise ExerciseFailed(f"{where}: without a cache each decode step re-projects the whole "
+                                         "sequence, n + s tokens at step s")
+                raise ExerciseFailed(f"{where}: expected {want_p} projections, got {projections}")
+            if scores != want_s:
+                if not cached and scores == _score_dot_products(n, m, cached=False, square=False):
+                    raise ExerciseFailed(f"{where}: without a cache a step recomputes the whole (n+s) x (n+s) score "
+                                         "matrix, not one row: that is where O(m (n+m)^2) comes from")
+                if scores == _score_dot_products(n, m, cached=cached, prefill=False):
+                    raise ExerciseFailed(f"{where}: the prefill's n x n scores are missing")
+                if scores in (_score_dot_products(n, m, cached=cached, offset=-1),
+                              _score_dot_products(n, m, cached=cached, offset=1)) and m:
+                    raise ExerciseFailed(f"{where}: off by one: at decode step s (1 .. m) the sequence holds n + s "
+                                         "tokens, the new one included, and the query sees all of them")
+                raise ExerciseFailed(f"{where}: expected {want_s} score dot products, got {scores}")
+    return "projections and score dot products, cached O(nm + m^2) and uncached O(m(n+m)^2), exact"
+
+
 @exercise("04", "knowledge_check")
 def knowledge_check(ns):
     from labkit.grading.quiz import Choice, Number, grade_answers
@@ -80,4 +359,6 @@ def knowledge_check(ns):
         3: Choice("a", "Step 3, on attending over every position"),
         4: Choice("b", "'Proof: the cache changes the cost, not the answer'"),
         5: Choice("b", "the correction of the book's cost formula, after 'The work, counted'"),
+        6: Number(1e3 * (0.45 - 0.30) / 3, "'The generation loop': TPOT is the mean gap between consecutive "
+                  "tokens, three gaps for four tokens", rel_tol=1e-6),
     })

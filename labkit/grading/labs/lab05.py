@@ -3,11 +3,15 @@ inputs against labkit.model / labkit.attention (the code that runs SmolLM2) and 
 mistakes."""
 
 import torch
+import torch.nn.functional as F
 
 from labkit.attention.dense import causal_attention
+from labkit.cache import KVCache
 from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.model.config import ModelConfig
+from labkit.model.generate import step_metadata
+from labkit.model.layers import MLP, DecoderLayer, rope_cos_sin, rope_inv_freq
 from labkit.model.layers import apply_rotary as ref_rotary
-from labkit.model.layers import rope_cos_sin, rope_inv_freq
 
 
 def _close(a, b, atol=1e-5):
@@ -186,6 +190,167 @@ def attention_with_cache(ns):
                          f"(max abs diff {(got - ok).abs().max():.3g})")
 
 
+# ---- the SwiGLU MLP with merged gate/up weights ----------------------------------------------------
+
+_LAYER_FORWARDS = ("labkit.model.layers.MLP.forward", "labkit.model.layers.DecoderLayer.forward",
+                   "labkit.model.layers.Attention.forward")
+
+
+def _swiglu(x, gate_up, down, *, swap=False, interleaved=False, act=F.silu, act_after_product=False):
+    """Reference with switches that reproduce the usual mistakes."""
+    both = x @ gate_up.T
+    gate, up = (both[..., 0::2], both[..., 1::2]) if interleaved else both.chunk(2, dim=-1)
+    if swap:
+        gate, up = up, gate
+    hidden = act(gate * up) if act_after_product else act(gate) * up
+    return hidden @ down.T
+
+
+@exercise("05", "swiglu_mlp", forbidden=(*_LAYER_FORWARDS, "labkit.grading.labs.lab05._swiglu"))
+def swiglu_mlp(ns):
+    fn = require(ns, "swiglu_mlp")
+    g = torch.Generator().manual_seed(53)
+    hidden, inter = 24, 64  # the same 8/3 ratio as SmolLM2's 576 -> 1536
+    config = ModelConfig("llama", 10, hidden, inter, 1, 2, 1, 12, 64, 1e-5, 1e4, True)
+    mlp = MLP(config)
+    with torch.no_grad():
+        for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) * 0.3)
+    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()  # nano-vLLM's merged layout
+    down = mlp.down_proj.weight.detach().clone()
+    x = torch.randn(5, hidden, generator=g)
+    got = expect_tensor(fn(x.clone(), gate_up.clone(), down.clone()), (5, hidden),
+                        "the MLP's output [tokens, hidden] (did you apply down_weight?)")
+    with torch.no_grad():
+        expected = mlp(x)
+    if _close(got, expected, atol=1e-4):
+        return "splits the merged gate/up projection, down(silu(gate) * up), matches labkit's MLP"
+    if _close(got, _swiglu(x, gate_up, down, swap=True), atol=1e-4):
+        raise ExerciseFailed("gate and up are swapped: the merged weight holds gate's rows first, then up's, "
+                             "and silu goes on the gate")
+    if _close(got, _swiglu(x, gate_up, down, interleaved=True), atol=1e-4):
+        raise ExerciseFailed("the merged output was split into even and odd columns; it is two halves, "
+                             "[gate | up], each intermediate_size wide")
+    if _close(got, _swiglu(x, gate_up, down, act_after_product=True), atol=1e-4):
+        raise ExerciseFailed("silu was applied to gate * up; it goes on the gate alone: silu(gate) * up")
+    for act, name in ((F.gelu, "GELU"), (F.relu, "ReLU"), (torch.sigmoid, "a sigmoid")):
+        if _close(got, _swiglu(x, gate_up, down, act=act), atol=1e-4):
+            raise ExerciseFailed(f"{name} instead of SiLU (x * sigmoid(x)): SwiGLU gates with SiLU")
+    if _close(got, F.silu(x @ gate_up[:inter].T) @ down.T, atol=1e-4):
+        raise ExerciseFailed("the up projection was left out: SwiGLU multiplies silu(gate) by up")
+    raise ExerciseFailed("the output differs from down(silu(gate) * up) "
+                         f"(max abs diff {(got - expected).abs().max():.3g})")
+
+
+# ---- a whole decoder layer -----------------------------------------------------------------------------
+
+_LAYER_CONFIG = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 8, "rope_theta": 100000.0, "eps": 1e-5}
+_LAYER_STEPS = (5, 2, 1, 1)  # a prefill of 5, a chunk of 2, two decode steps
+
+
+def _layer_weights(seed):
+    """Random weights for a small layer of SmolLM2's shape (6/2 heads, width = heads * head_dim, MLP 8/3 wide),
+    in labkit's DecoderLayer and merged as the exercise takes them."""
+    cfg = _LAYER_CONFIG
+    hidden = cfg["num_heads"] * cfg["head_dim"]
+    config = ModelConfig("llama", 10, hidden, hidden * 8 // 3, 1, cfg["num_heads"], cfg["num_kv_heads"],
+                         cfg["head_dim"], 64, cfg["eps"], cfg["rope_theta"], True)
+    layer = DecoderLayer(config, 0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            scale = 0.5 if name.endswith("norm.weight") else 0.25
+            param.copy_((1.0 if name.endswith("norm.weight") else 0.0) + torch.randn(param.shape, generator=g) * scale)
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+               "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+               "o": attn.o_proj.weight, "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+               "down": mlp.down_proj.weight}
+    return layer, {name: w.detach().clone() for name, w in weights.items()}
+
+
+def _layer(x, w, cfg, *, attn_residual=True, mlp_residual=True, post_norm=False, one_norm=False,
+           rotate_k=True, rotate_v=False, o_proj=True):
+    """The whole sequence through a layer, with switches that reproduce the usual mistakes."""
+    hq, hkv, d = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    n = x.shape[0]
+    positions = torch.arange(n)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(d, cfg["rope_theta"]), torch.float32)
+    post_weight = w["input_norm"] if one_norm else w["post_norm"]
+    h = x if post_norm else _rms(x, w["input_norm"], cfg["eps"])
+    q, k, v = (h @ w["qkv"].T).split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+    q = ref_rotary(q, cos, sin)
+    k = ref_rotary(k, cos, sin) if rotate_k else k
+    v = ref_rotary(v, cos, sin) if rotate_v else v
+    out = causal_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1).reshape(n, -1)
+    out = out @ w["o"].T if o_proj else out
+    x = x + out if attn_residual else out
+    if post_norm:
+        x = _rms(x, w["input_norm"], cfg["eps"])
+    h = x if post_norm else _rms(x, post_weight, cfg["eps"])
+    mlp = _swiglu(h, w["gate_up"], w["down"])
+    x = x + mlp if mlp_residual else mlp
+    return _rms(x, w["post_norm"], cfg["eps"]) if post_norm else x
+
+
+@exercise("05", "decoder_layer", forbidden=(*_LAYER_FORWARDS, "labkit.grading.labs.lab05._layer"))
+def decoder_layer(ns):
+    fn = require(ns, "decoder_layer")
+    cfg = _LAYER_CONFIG
+    layer, w = _layer_weights(54)
+    hidden, hkv, d = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"], cfg["head_dim"]
+    x = torch.randn(sum(_LAYER_STEPS), hidden, generator=torch.Generator().manual_seed(55))
+    cache, labkit_cache = {"k": torch.empty(hkv, 0, d), "v": torch.empty(hkv, 0, d)}, KVCache(1)
+    outs, expected, start = [], [], 0
+    for n in _LAYER_STEPS:
+        positions = torch.arange(start, start + n)
+        step = x[start:start + n]
+        try:
+            out = fn(step.clone(), positions, dict(w), cache, dict(cfg))
+        except ExerciseFailed:
+            raise
+        except Exception as error:
+            if "split" in str(error) or "shape" in str(error):
+                raise ExerciseFailed(f"{getattr(error, 'type_name', type(error).__name__)} on the merged qkv "
+                                     f"weight ({w['qkv'].shape[0]} rows): it is (num_heads + 2 * num_kv_heads) * "
+                                     "head_dim wide, so split it with head_dim, not the hidden size") from None
+            raise
+        out = expect_tensor(out, (n, hidden), f"the layer's output for {n} new tokens [n, hidden]")
+        stored = cache.get("k")
+        if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != (hkv, start + n, d):
+            raise ExerciseFailed(f"after {start + n} tokens the cache should hold [{hkv}, {start + n}, {d}] keys: "
+                                 "hand the cache to attention_with_cache, which appends to it")
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(d, cfg["rope_theta"]), torch.float32)
+        with torch.no_grad():
+            expected.append(layer(step, cos, sin, step_metadata(1, n, start, "cpu"), labkit_cache))
+        outs.append(out)
+        start += n
+    got, expected = torch.cat(outs), torch.cat(expected)
+    if _close(got, expected, atol=1e-4):
+        return "norm, merged QKV split by head_dim, rotary, cached attention, o_proj, SwiGLU, both residuals"
+    mistakes = (
+        ({"attn_residual": False}, "the attention's residual is missing: x = x + attention(norm(x))"),
+        ({"mlp_residual": False}, "the MLP's residual is missing: x = x + mlp(norm(x))"),
+        ({"post_norm": True}, "that is a post-norm layer (normalise after adding); Llama normalises each "
+                              "sublayer's input: x + f(norm(x))"),
+        ({"one_norm": True}, "the MLP's input went through input_norm; it has its own weight, post_norm"),
+        ({"rotate_k": False}, "the keys were not rotated: rotary goes on queries and keys alike"),
+        ({"rotate_v": True}, "the values were rotated too: rotary goes on queries and keys only"),
+        ({"o_proj": False}, "the output projection o was left out: the heads' outputs go through it"),
+    )
+    for switches, why in mistakes:
+        if _close(got, _layer(x, w, cfg, **switches), atol=1e-4):
+            raise ExerciseFailed(why)
+    first = _LAYER_STEPS[0]
+    if _close(got[:first], expected[:first], atol=1e-4):
+        raise ExerciseFailed("the prefill is right but later steps are not: each step's positions (given) "
+                             "rotate its queries and keys, and the cache holds every earlier token")
+    raise ExerciseFailed("the output differs from labkit's DecoderLayer on the same weights "
+                         f"(max abs diff {(got - expected).abs().max():.3g}); split qkv into "
+                         "[num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim] columns")
+
+
 @exercise("05", "knowledge_check")
 def knowledge_check(ns):
     from labkit.grading.quiz import Choice, Number, grade_answers, smollm2_config
@@ -199,4 +364,6 @@ def knowledge_check(ns):
         3: Choice("a", "the RMSNorm exercise's formula"),
         4: Choice("b", "'The rotary embedding'"),
         5: Choice("b", "what the timings show, in section 3"),
+        6: Number((smol.num_heads + 2 * smol.num_kv_heads) * smol.head_dim,
+                  "'Two widths the nano-vLLM walk-through gets wrong': widths count head_dim per head"),
     })
