@@ -9,7 +9,7 @@ from labkit.grading.core import get_exercise, run_exercise
 RIGHT = {
     "00": {1: "b", 2: "c", 3: 0.665, 4: "b", 5: "a"},
     "01": {1: "b", 2: 3, 3: 5, 4: 8064, 5: "b"},
-    "02": {1: 22.5, 2: "a", 3: 8, 4: "a", 5: "b"},
+    "02": {1: 22.5, 2: 0.034, 3: 8, 4: "a", 5: "b"},
     "03": {1: 0.498, 2: "a", 3: 0.257, 4: "a", 5: "c"},
     "04": {1: 4, 2: 3072, 3: "a", 4: "b", 5: "b"},
     "05": {1: 3, 2: 46080, 3: "a", 4: "b", 5: "b"},
@@ -44,7 +44,8 @@ WRONG = {
         ({1: 0.703125}, "forgot the layers"),
         ({1: 11.25}, "counted K only"),
         ({1: 23.59}, "answered in MB, not MiB"),
-        ({2: "c"}, "took a prefill's intensity"),
+        ({2: 1.0}, "thinks every kernel reaches the peak"),
+        ({2: 0.0101}, "divided the intensity by the bandwidth"),
         ({3: 4}, "counted one moment"),
         ({4: "b"}, "thinks weights are re-read per sequence"),
         ({5: "a"}, "thinks GQA is quantisation"),
