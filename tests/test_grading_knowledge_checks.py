@@ -10,7 +10,7 @@ RIGHT = {
     "00": {1: "b", 2: "c", 3: 0.665, 4: "b", 5: "a"},
     "01": {1: "b", 2: 3, 3: 5, 4: 8064, 5: "b"},
     "02": {1: 22.5, 2: 0.034, 3: 8, 4: "a", 5: "b"},
-    "03": {1: 0.498, 2: "a", 3: 0.257, 4: "a", 5: "c"},
+    "03": {1: 0.498, 2: 1, 3: 0.257, 4: "a", 5: "c"},
     "04": {1: 4, 2: 3072, 3: "a", 4: "b", 5: "b"},
     "05": {1: 3, 2: 46080, 3: "a", 4: "b", 5: "b"},
     "06": {1: 3, 2: 3, 3: "a", 4: "b", 5: "b"},
@@ -53,7 +53,8 @@ WRONG = {
     "03": [
         ({1: 0.502}, "read the weight on 'love' itself"),
         ({1: 1.0}, "read row 0 (the masked row)"),
-        ({2: "b"}, "masked the past instead of the future"),
+        ({2: 7}, "masked as if the chunk's queries were at positions 0 and 1"),
+        ({2: 0}, "believes the mask is automatic at inference"),
         ({3: 0.5}, "guessed a uniform distribution"),
         ({4: "c"}, "blames rounding"),
         ({5: "d"}, "picks the wrong head"),

@@ -22,16 +22,19 @@ def scores_loop(Q, K):
 
 
 def causal_softmax_rows(scores):
+    n_queries, n_keys = scores.shape
     out = torch.zeros_like(scores)
-    for i in range(scores.shape[0]):
-        row = scores[i, : i + 1]
+    for i in range(n_queries):
+        visible = n_keys - n_queries + i + 1  # query i sits at position n_keys - n_queries + i
+        row = scores[i, :visible]
         e = (row - row.max()).exp()
-        out[i, : i + 1] = e / e.sum()
+        out[i, :visible] = e / e.sum()
     return out
 
 
 def causal_softmax_where(scores):
-    allowed = torch.tril(torch.ones(scores.shape, dtype=torch.bool))
+    n_queries, n_keys = scores.shape
+    allowed = torch.tril(torch.ones(scores.shape, dtype=torch.bool), diagonal=n_keys - n_queries)
     return torch.where(allowed, scores, torch.tensor(float("-inf"), dtype=scores.dtype)).softmax(dim=-1)
 
 
@@ -42,8 +45,6 @@ RIGHT = [
     Right("scaled_scores", "matrix product", lambda Q, K: Q @ K.T / K.shape[-1] ** 0.5),
     Right("scaled_scores", "einsum", lambda Q, K: torch.einsum("id,jd->ij", Q, K) / math.sqrt(K.shape[-1])),
     Right("scaled_scores", "python loops over query and key", scores_loop),
-    Right("causal_softmax", "masked_fill with -inf then softmax",
-          lambda s: s.masked_fill(future(s), float("-inf")).softmax(-1)),
     Right("causal_softmax", "torch.where over a tril mask", causal_softmax_where),
     Right("causal_softmax", "row by row over the visible prefix", causal_softmax_rows),
 ]
@@ -93,4 +94,140 @@ WRONG = [
           "hides the past"),
     Wrong("causal_softmax", "calls labkit's worked example", lambda s: ref.causal_softmax(s),
           "`causal_softmax`", calls="labkit.worked_example.causal_softmax"),
+]
+
+
+# --- causal_softmax for the last queries of a longer sequence -----------------------------------------------
+
+def causal_softmax_offset(scores):
+    n_queries, n_keys = scores.shape
+    hidden = torch.ones(n_queries, n_keys, dtype=torch.bool).triu(n_keys - n_queries + 1)
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1)
+
+
+def causal_softmax_by_position(scores):
+    n_queries, n_keys = scores.shape
+    query_positions = torch.arange(n_keys - n_queries, n_keys)[:, None]
+    visible = torch.arange(n_keys)[None, :] <= query_positions
+    return torch.where(visible, scores, torch.tensor(float("-inf"), dtype=scores.dtype)).softmax(-1)
+
+
+# --- multi-head attention with fused projections -------------------------------------------------------------
+
+def mha_batched(X, W_q, W_k, W_v, W_o, n_heads):
+    n = X.shape[0]
+    q, k, v = (t.view(n, n_heads, -1).transpose(0, 1) for t in (X @ W_q, X @ W_k, X @ W_v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    weights = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    return weights, (weights @ v).transpose(0, 1).reshape(n, -1) @ W_o
+
+
+def mha_head_loop(X, W_q, W_k, W_v, W_o, n_heads):
+    """One head at a time, on column slices of the fused weights, then concatenated."""
+    d_k = W_q.shape[1] // n_heads
+    all_weights, outputs = [], []
+    for h in range(n_heads):
+        cols = slice(h * d_k, (h + 1) * d_k)
+        q, k, v = X @ W_q[:, cols], X @ W_k[:, cols], X @ W_v[:, cols]
+        weights = causal_softmax_offset(q @ k.T / math.sqrt(d_k))
+        all_weights.append(weights)
+        outputs.append(weights @ v)
+    return torch.stack(all_weights), torch.cat(outputs, dim=-1) @ W_o
+
+
+def mha_with(split=None, scale=None, mask=True, merge=None, project=True):
+    def multi_head_attention(X, W_q, W_k, W_v, W_o, n_heads):
+        n, d_k = X.shape[0], W_q.shape[1] // n_heads
+        def heads(t):
+            return split(t, n_heads) if split else t.view(n, n_heads, -1).transpose(0, 1)
+
+        q, k, v = (heads(t) for t in (X @ W_q, X @ W_k, X @ W_v))
+        scores = q @ k.transpose(-2, -1) / (scale(X, d_k, n_heads) if scale else math.sqrt(d_k))
+        if mask:
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        weights = scores.softmax(-1)
+        out = weights @ v
+        concat = merge(out) if merge else out.transpose(0, 1).reshape(n, -1)
+        return weights, concat @ W_o if project else concat
+    return multi_head_attention
+
+
+def mha_sdpa(X, W_q, W_k, W_v, W_o, n_heads):
+    n = X.shape[0]
+    q, k, v = (t.view(n, n_heads, -1).transpose(0, 1) for t in (X @ W_q, X @ W_k, X @ W_v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    weights = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(
+        torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    return weights, out.transpose(0, 1).reshape(n, -1) @ W_o
+
+
+# --- the next token ----------------------------------------------------------------------------------------
+
+def next_token_matmul(layer_output, W_lm):
+    if layer_output.shape[0] == 0:
+        raise ValueError("no positions: there is no last position to predict from")
+    probs = (layer_output[-1] @ W_lm).softmax(-1)
+    return int(probs.argmax()), probs
+
+
+def next_token_by_hand(layer_output, W_lm):
+    """exp / sum by hand, and the argmax by a loop."""
+    if len(layer_output) == 0:
+        raise ValueError("empty layer output")
+    logits = layer_output[-1] @ W_lm
+    e = (logits - logits.max()).exp()
+    probs = e / e.sum()
+    best = 0
+    for i in range(len(probs)):
+        if probs[i] > probs[best]:
+            best = i
+    return best, probs
+
+
+def next_token_with(row=-1, softmax=True, as_int=True, check_empty=True, flat=False):
+    def next_token(layer_output, W_lm):
+        if check_empty and layer_output.shape[0] == 0:
+            raise ValueError("no positions")
+        logits = layer_output @ W_lm
+        picked = logits[row]
+        probs = picked.softmax(-1) if softmax else picked
+        token = logits.argmax() if flat else probs.argmax()
+        return (int(token) if as_int else token), probs
+    return next_token
+
+
+RIGHT += [
+    Right("causal_softmax", "masked_fill above the shifted diagonal, then softmax", causal_softmax_offset),
+    Right("causal_softmax", "compare positions", causal_softmax_by_position),
+    Right("multi_head_attention", "all heads at once (view, transpose)", mha_batched),
+    Right("multi_head_attention", "a loop over heads on column slices", mha_head_loop),
+    Right("next_token", "matrix product, softmax, argmax", next_token_matmul),
+    Right("next_token", "softmax and argmax by hand", next_token_by_hand),
+]
+
+WRONG += [
+    Wrong("causal_softmax", "mask assumes query i is at position i (breaks for the last queries)",
+          lambda s: s.masked_fill(future(s), float("-inf")).softmax(-1), "assumed query i is at position i"),
+    Wrong("multi_head_attention", "split heads with a plain reshape",
+          mha_with(split=lambda t, h: t.reshape(h, t.shape[0], -1)), "plain reshape to [heads, n, d_k]"),
+    Wrong("multi_head_attention", "scaled by sqrt(d_model)",
+          mha_with(scale=lambda X, d_k, h: math.sqrt(X.shape[1])), "scaled by sqrt(d_model)"),
+    Wrong("multi_head_attention", "scaled by d_k", mha_with(scale=lambda X, d_k, h: d_k), "scaled by d_k"),
+    Wrong("multi_head_attention", "no causal mask", mha_with(mask=False), "no causal mask"),
+    Wrong("multi_head_attention", "merged heads with a plain reshape",
+          mha_with(merge=lambda out: out.reshape(out.shape[1], -1)), "merged with a plain reshape"),
+    Wrong("multi_head_attention", "forgot W_O", mha_with(project=False), "W_O was not applied"),
+    Wrong("multi_head_attention", "returns the head-averaged weights",
+          lambda *a: (mha_batched(*a)[0].mean(0), mha_batched(*a)[1]), "should have shape"),
+    Wrong("multi_head_attention", "uses torch's fused attention", mha_sdpa,
+          "scaled_dot_product_attention", calls="torch.nn.functional.scaled_dot_product_attention"),
+    Wrong("next_token", "the first position's logits", next_token_with(row=0), "first position's logits"),
+    Wrong("next_token", "returns logits as probabilities", next_token_with(softmax=False), "those are logits"),
+    Wrong("next_token", "the token as a tensor", next_token_with(as_int=False), "Python int"),
+    Wrong("next_token", "every position's probabilities",
+          lambda lo, w: (int((lo[-1] @ w).argmax()), (lo @ w).softmax(-1)), "not every position's"),
+    Wrong("next_token", "softmax over positions",
+          lambda lo, w: (int((lo @ w)[-1].argmax()), (lo @ w).softmax(0)[-1]), "softmax ran over positions"),
+    Wrong("next_token", "no check for an empty input", next_token_with(check_empty=False), "raise a ValueError"),
+    Wrong("next_token", "argmax over all positions flattened", next_token_with(flat=True), "flattened"),
 ]
