@@ -12,8 +12,35 @@ def future(scores):
     return torch.ones_like(scores, dtype=torch.bool).triu(1)
 
 
-def build_x_loop(E, PE, token_ids):
-    return torch.stack([E[t] + PE[i] for i, t in enumerate(token_ids)])
+def check_range(E, PE, token_ids, start):
+    if any(not 0 <= t < E.shape[0] for t in token_ids):
+        raise ValueError(f"token ids {token_ids} must lie in 0..{E.shape[0] - 1}")
+    if start < 0 or start + len(token_ids) > PE.shape[0]:
+        raise ValueError(f"positions {start}..{start + len(token_ids) - 1} are beyond PE's {PE.shape[0]} rows")
+
+
+def build_x_loop(E, PE, token_ids, start=0):
+    check_range(E, PE, token_ids, start)
+    return torch.stack([E[t] + PE[start + i] for i, t in enumerate(token_ids)])
+
+
+def build_x_indexing(E, PE, token_ids, start=0):
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(E)):
+        raise ValueError("token id out of range")
+    if start + len(ids) > len(PE):
+        raise ValueError("not enough positional encodings")
+    return E[ids] + PE[start:start + len(ids)]
+
+
+def build_x_with(offset=True, checks=True, pe=None):
+    def build_x(E, PE, token_ids, start=0):
+        if checks:
+            check_range(E, PE, token_ids, start)
+        ids = torch.tensor(token_ids)
+        rows = pe(PE, ids, start) if pe else PE[(start if offset else 0):(start if offset else 0) + len(ids)]
+        return E[ids] + rows
+    return build_x
 
 
 def scores_loop(Q, K):
@@ -39,9 +66,8 @@ def causal_softmax_where(scores):
 
 
 RIGHT = [
-    Right("build_x", "fancy indexing plus a PE slice", lambda E, PE, ids: E[torch.tensor(ids)] + PE[: len(ids)]),
+    Right("build_x", "fancy indexing plus a PE slice", build_x_indexing),
     Right("build_x", "a row per token, stacked", build_x_loop),
-    Right("build_x", "computed in float32", lambda E, PE, ids: E.float()[ids] + PE.float()[: len(ids)]),
     Right("scaled_scores", "matrix product", lambda Q, K: Q @ K.T / K.shape[-1] ** 0.5),
     Right("scaled_scores", "einsum", lambda Q, K: torch.einsum("id,jd->ij", Q, K) / math.sqrt(K.shape[-1])),
     Right("scaled_scores", "python loops over query and key", scores_loop),
@@ -50,22 +76,23 @@ RIGHT = [
 ]
 
 WRONG = [
-    Wrong("build_x", "forgot the positional encoding", lambda E, PE, ids: E[torch.tensor(ids)],
+    Wrong("build_x", "forgot the positional encoding", build_x_with(pe=lambda PE, ids, start: 0 * PE[: len(ids)]),
           "positional encodings were not added"),
-    Wrong("build_x", "indexed PE by token id", lambda E, PE, ids: E[torch.tensor(ids)] + PE[torch.tensor(ids)],
-          "indexed by token id"),
-    Wrong("build_x", "positions start at 1", lambda E, PE, ids: E[torch.tensor(ids)] + PE[1:len(ids) + 1],
+    Wrong("build_x", "indexed PE by token id", build_x_with(pe=lambda PE, ids, start: PE[ids]), "indexed by token id"),
+    Wrong("build_x", "positions start at 1", build_x_with(pe=lambda PE, ids, start: PE[start + 1:start + len(ids) + 1]),
           "PE of the wrong position"),
-    Wrong("build_x", "multiplied E and PE", lambda E, PE, ids: E[torch.tensor(ids)] * PE[: len(ids)], "multiplied"),
-    Wrong("build_x", "concatenated E and PE", lambda E, PE, ids: torch.cat([E[torch.tensor(ids)], PE[: len(ids)]], -1),
+    Wrong("build_x", "concatenated E and PE",
+          lambda E, PE, ids, start=0: torch.cat([E[torch.tensor(ids)], PE[: len(ids)]], -1),
           "should have shape (4, 3)"),
-    Wrong("build_x", "only the first token", lambda E, PE, ids: E[torch.tensor(ids)][:1] + PE[:1],
+    Wrong("build_x", "only the first token", lambda E, PE, ids, start=0: E[torch.tensor(ids)][:1] + PE[:1],
           "should have shape (4, 3)"),
-    Wrong("build_x", "hard-coded four tokens", lambda E, PE, ids: E[torch.tensor(ids)][:4] + PE[:4],
-          "should have shape (6, 3)"),
-    Wrong("build_x", "returned a list of rows", lambda E, PE, ids: list(E[torch.tensor(ids)] + PE[: len(ids)]),
-          "should be a torch.Tensor"),
-    Wrong("build_x", "calls labkit's worked example", lambda E, PE, ids: ref.build_x(E, PE, ids),
+    Wrong("build_x", "returned a list of rows",
+          lambda E, PE, ids, start=0: list(E[torch.tensor(ids)] + PE[: len(ids)]), "should be a torch.Tensor"),
+    Wrong("build_x", "ignores start (every prompt from position 0)", build_x_with(offset=False), "start=5 was ignored"),
+    Wrong("build_x", "PE[start] for every token", build_x_with(pe=lambda PE, ids, start: PE[start]),
+          "every token got PE[start]"),
+    Wrong("build_x", "no range checks (a negative id wraps around)", build_x_with(checks=False), "token id -1"),
+    Wrong("build_x", "calls labkit's worked example", lambda E, PE, ids, start=0: ref.build_x(E, PE, ids, start),
           "`build_x`", calls="labkit.worked_example.build_x"),
     Wrong("scaled_scores", "forgot to scale", lambda q, k: q @ k.T, "not divided by sqrt(d_k)"),
     Wrong("scaled_scores", "divided by d_k", lambda q, k: q @ k.T / k.shape[-1], "divided by d_k"),

@@ -21,6 +21,19 @@ def _close(a, b):
     return torch.allclose(a.to(torch.float64), b.to(torch.float64), atol=atol)
 
 
+def _expect_value_error(call, what, hint):
+    try:
+        call()
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        name = getattr(error, "type_name", type(error).__name__)
+        if name != "ValueError":
+            raise ExerciseFailed(f"{what} raised {name}: raise a ValueError that says so") from None
+    else:
+        raise ExerciseFailed(f"{what} was accepted: {hint}; raise a ValueError")
+
+
 @exercise("03", "build_x", forbidden=("labkit.worked_example.build_x",))
 def build_x(ns):
     fn = require(ns, "build_x")
@@ -35,12 +48,31 @@ def build_x(ns):
             raise ExerciseFailed("PE was indexed by token id; it is indexed by position: X[i] = E[token_i] + PE[i]")
         if _close(got, embeddings[ids] + positional[1:n + 1]):
             raise ExerciseFailed("PE of the wrong position: the first token is at position 0, so it gets PE[0]")
+        if _close(got, embeddings[ids] + positional[0]):
+            raise ExerciseFailed("every token got PE[start] (here PE[0]): token i sits at position start + i")
         if _close(got, embeddings[ids] * positional[:n]):
             raise ExerciseFailed("E and PE were multiplied: the positional encoding is added, "
                                  "X[i] = E[token_i] + PE[i]")
         if not _close(got, ref.build_x(embeddings, positional, token_ids)):
             raise ExerciseFailed(f"X differs from E[token_ids] + PE[0:len(token_ids)] for {n} fresh tokens")
-    return "X[i] = E[token_i] + PE[i]"
+    for token_ids, start in (([3], 5), ([2, 6, 0], 4)):  # tokens after `start` cached ones (a decode step)
+        n = len(token_ids)
+        got = expect_tensor(fn(embeddings, positional, list(token_ids), start), (n, 3),
+                            f"X for {n} tokens starting at position {start}")
+        ids = torch.tensor(token_ids)
+        if _close(got, embeddings[ids] + positional[:n]):
+            raise ExerciseFailed(f"start={start} was ignored: tokens after {start} cached ones sit at positions "
+                                 f"{start}, {start + 1}, ... and get those rows of PE")
+        if n > 1 and _close(got, embeddings[ids] + positional[start]):
+            raise ExerciseFailed("every token got PE[start]: token i sits at position start + i")
+        if not _close(got, ref.build_x(embeddings, positional, token_ids, start)):
+            raise ExerciseFailed(f"X differs from E[token_ids] + PE[start:start + n] for start={start}")
+    _expect_value_error(lambda: fn(embeddings, positional, [1, -1]), "token id -1",
+                        "torch would silently take E's last row")
+    _expect_value_error(lambda: fn(embeddings, positional, [7]), "token id 7 for a 7-row E", "it has no such row")
+    _expect_value_error(lambda: fn(embeddings, positional, [1, 2, 3], 6), "positions 6..8 with 8 rows of PE",
+                        "PE has no row for position 8")
+    return "X[i] = E[token_i] + PE[start + i], and ids or positions out of range are refused"
 
 
 @exercise("03", "scaled_scores", forbidden=("labkit.worked_example.scaled_scores",))
