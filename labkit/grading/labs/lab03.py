@@ -21,6 +21,19 @@ def _close(a, b):
     return torch.allclose(a.to(torch.float64), b.to(torch.float64), atol=atol)
 
 
+def _expect_value_error(call, what, hint):
+    try:
+        call()
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        name = getattr(error, "type_name", type(error).__name__)
+        if name != "ValueError":
+            raise ExerciseFailed(f"{what} raised {name}: raise a ValueError that says so") from None
+    else:
+        raise ExerciseFailed(f"{what} was accepted: {hint}; raise a ValueError")
+
+
 @exercise("03", "build_x", forbidden=("labkit.worked_example.build_x",))
 def build_x(ns):
     fn = require(ns, "build_x")
@@ -35,12 +48,31 @@ def build_x(ns):
             raise ExerciseFailed("PE was indexed by token id; it is indexed by position: X[i] = E[token_i] + PE[i]")
         if _close(got, embeddings[ids] + positional[1:n + 1]):
             raise ExerciseFailed("PE of the wrong position: the first token is at position 0, so it gets PE[0]")
+        if _close(got, embeddings[ids] + positional[0]):
+            raise ExerciseFailed("every token got PE[start] (here PE[0]): token i sits at position start + i")
         if _close(got, embeddings[ids] * positional[:n]):
             raise ExerciseFailed("E and PE were multiplied: the positional encoding is added, "
                                  "X[i] = E[token_i] + PE[i]")
         if not _close(got, ref.build_x(embeddings, positional, token_ids)):
             raise ExerciseFailed(f"X differs from E[token_ids] + PE[0:len(token_ids)] for {n} fresh tokens")
-    return "X[i] = E[token_i] + PE[i]"
+    for token_ids, start in (([3], 5), ([2, 6, 0], 4)):  # tokens after `start` cached ones (a decode step)
+        n = len(token_ids)
+        got = expect_tensor(fn(embeddings, positional, list(token_ids), start), (n, 3),
+                            f"X for {n} tokens starting at position {start}")
+        ids = torch.tensor(token_ids)
+        if _close(got, embeddings[ids] + positional[:n]):
+            raise ExerciseFailed(f"start={start} was ignored: tokens after {start} cached ones sit at positions "
+                                 f"{start}, {start + 1}, ... and get those rows of PE")
+        if n > 1 and _close(got, embeddings[ids] + positional[start]):
+            raise ExerciseFailed("every token got PE[start]: token i sits at position start + i")
+        if not _close(got, ref.build_x(embeddings, positional, token_ids, start)):
+            raise ExerciseFailed(f"X differs from E[token_ids] + PE[start:start + n] for start={start}")
+    _expect_value_error(lambda: fn(embeddings, positional, [1, -1]), "token id -1",
+                        "torch would silently take E's last row")
+    _expect_value_error(lambda: fn(embeddings, positional, [7]), "token id 7 for a 7-row E", "it has no such row")
+    _expect_value_error(lambda: fn(embeddings, positional, [1, 2, 3], 6), "positions 6..8 with 8 rows of PE",
+                        "PE has no row for position 8")
+    return "X[i] = E[token_i] + PE[start + i], and ids or positions out of range are refused"
 
 
 @exercise("03", "scaled_scores", forbidden=("labkit.worked_example.scaled_scores",))
@@ -64,7 +96,13 @@ def scaled_scores(ns):
     return "Q K^T / sqrt(d_k), for any number of queries, keys and d_k"
 
 
+def _future(n_queries, n_keys):
+    """True where query i (at position n_keys - n_queries + i) would see a later key."""
+    return torch.ones(n_queries, n_keys, dtype=torch.bool).triu(n_keys - n_queries + 1)
+
+
 @exercise("03", "causal_softmax", forbidden=("labkit.worked_example.causal_softmax",
+                                              "labkit.worked_example.causal_mask",
                                               "labkit.worked_example.attend"))
 def causal_softmax(ns):
     fn = require(ns, "causal_softmax")
@@ -73,7 +111,7 @@ def causal_softmax(ns):
     if torch.isnan(got).any() or (got.diagonal()[1:].abs() < 1e-12).all():
         raise ExerciseFailed("the mask hides the diagonal: a token must attend to itself "
                              "(and row 0 would have nothing left to attend to)")
-    future = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    future = _future(4, 4)
     if _close(got, scores.softmax(-1)):
         raise ExerciseFailed("nothing was masked: position i must not see positions after i")
     if _close(got, scores.softmax(0).masked_fill(future, 0.0)) or _close(
@@ -91,7 +129,143 @@ def causal_softmax(ns):
         raise ExerciseFailed("future positions (j > i) got non-zero weight")
     if not _close(got, ref.causal_softmax(scores)):
         raise ExerciseFailed("weights differ from softmax over each row with j > i set to -inf")
-    return "future masked with -inf, each row a softmax that sums to 1"
+    for n_queries, n_keys, seed in ((2, 5, 35), (1, 4, 36)):  # the last queries of a longer sequence
+        scores = _random(n_queries, n_keys, seed=seed)
+        got = expect_tensor(fn(scores.clone()), (n_queries, n_keys),
+                            f"weights for {n_queries} queries against {n_keys} keys")
+        if torch.isnan(got).any():
+            raise ExerciseFailed(f"NaN for {n_queries} queries against {n_keys} keys: the queries are the LAST "
+                                 f"{n_queries} positions, so query i sits at position {n_keys - n_queries} + i")
+        if _close(got, scores.masked_fill(torch.ones_like(got, dtype=torch.bool).triu(1), float("-inf"))
+                  .softmax(-1)):
+            raise ExerciseFailed(f"with {n_queries} queries and {n_keys} keys the mask assumed query i is at "
+                                 f"position i: the queries are the last ones, at positions "
+                                 f"{n_keys - n_queries}..{n_keys - 1}, and see every key up to their own")
+        if not _close(got, ref.causal_softmax(scores)):
+            raise ExerciseFailed(f"weights for {n_queries} queries against {n_keys} keys differ from a softmax "
+                                 "over every key up to each query's own position")
+    return "future masked with -inf, rows sum to 1, also for the last queries of a longer sequence"
+
+
+def _split_heads(x, n_heads):
+    return x.view(x.shape[0], n_heads, -1).transpose(0, 1)
+
+
+def _multi_head(x, w_q, w_k, w_v, w_o, n_heads):
+    _, weights, out = ref.attend(_split_heads(x @ w_q, n_heads), _split_heads(x @ w_k, n_heads),
+                                 _split_heads(x @ w_v, n_heads))
+    return weights, out.transpose(0, 1).reshape(x.shape[0], -1) @ w_o
+
+
+def _mha_mistake(got_w, got_out, x, w_q, w_k, w_v, w_o, h):
+    """Name the misconception behind a wrong multi-head answer, if a known one explains it."""
+    n, d_k = x.shape[0], w_q.shape[1] // h
+    q, k, v = x @ w_q, x @ w_k, x @ w_v
+    right_w, right_out = _multi_head(x, w_q, w_k, w_v, w_o, h)
+    bad_split = [t.reshape(h, n, d_k) for t in (q, k, v)]
+    if _close(got_w, ref.causal_softmax(ref.scaled_scores(bad_split[0], bad_split[1]))):
+        return ("the heads were split with a plain reshape to [heads, n, d_k]: that mixes tokens into heads; "
+                "view as [n, heads, d_k], then transpose to [heads, n, d_k]")
+    split = [_split_heads(t, h) for t in (q, k, v)]
+    for scale, what in ((math.sqrt(x.shape[1]), "sqrt(d_model)"), (math.sqrt(h * d_k), "sqrt(heads x d_k)"),
+                        (d_k, "d_k")):
+        if _close(got_w, ((split[0] @ split[1].transpose(-2, -1)) / scale).masked_fill(
+                _future(n, n), float("-inf")).softmax(-1)):
+            return f"scores were scaled by {what}: each head divides by sqrt(d_k) of that head"
+    if _close(got_w, (ref.scaled_scores(split[0], split[1])).softmax(-1)):
+        return "no causal mask: in a prefill every query must be kept from later positions"
+    if not _close(got_w, right_w):
+        return None
+    heads_out = right_w @ split[2]
+    if _close(got_out, heads_out.reshape(n, h * d_k) @ w_o):
+        return ("the heads were merged with a plain reshape of [heads, n, d_k]: transpose to [n, heads, d_k] "
+                "first, so each row holds one token's heads side by side")
+    if got_out.shape == (n, h * d_k) and _close(got_out, heads_out.transpose(0, 1).reshape(n, -1)):
+        return "W_O was not applied: project the concatenated heads with W_O"
+    return None
+
+
+_MHA_CASES = ((5, 8, 2, 4, 37), (4, 6, 3, 3, 38))  # (tokens, d_model, heads, d_k, seed): h x d_k need not be d
+
+
+@exercise("03", "multi_head_attention", forbidden=("labkit.worked_example.forward", "labkit.worked_example.attend",
+                                                    "torch.nn.functional.scaled_dot_product_attention",
+                                                    "torch.nn.functional.multi_head_attention_forward"))
+def multi_head_attention(ns):
+    fn = require(ns, "multi_head_attention")
+    for n, d, h, d_k, seed in _MHA_CASES:
+        x = _random(n, d, seed=seed)
+        w_q, w_k, w_v = (_random(d, h * d_k, seed=seed + 10 * i) for i in (1, 2, 3))
+        w_o = _random(h * d_k, d, seed=seed + 40)
+        got = fn(x.clone(), w_q, w_k, w_v, w_o, h)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise ExerciseFailed("return a pair: (attention weights [heads, n, n], output [n, d_model])")
+        got_w = expect_tensor(got[0], (h, n, n), f"the weights of {h} heads over {n} tokens")
+        got_out = got[1]
+        if not isinstance(got_out, torch.Tensor):
+            raise ExerciseFailed(f"the output should be a torch.Tensor, got {type(got_out).__name__}")
+        right_w, right_out = _multi_head(x, w_q, w_k, w_v, w_o, h)
+        if _close(got_w, right_w) and _close(got_out, right_out):
+            continue
+        why = _mha_mistake(got_w, got_out, x, w_q, w_k, w_v, w_o, h)
+        if why:
+            raise ExerciseFailed(why)
+        expect_tensor(got_out, (n, d), f"the output of {n} tokens of d_model {d}")
+        raise ExerciseFailed(f"{'weights' if not _close(got_w, right_w) else 'output'} differ for {h} heads of d_k "
+                             f"{d_k}: split Q, K, V into heads, attend per head with the causal mask, merge, W_O")
+    model = ref.load_worked_example()
+    fused = [w.permute(1, 0, 2).reshape(w.shape[1], -1) for w in (model.w_q, model.w_k, model.w_v)]
+    trace = ref.forward(model, [model.token_id("I"), model.token_id("love")])
+    got_w, got_out = fn(trace.x.clone(), *fused, model.w_o, model.n_heads)
+    if not (_close(got_w, trace.weights) and _close(got_out, trace.mha)):
+        raise ExerciseFailed("on the worked example (\"I love\", fused W_Q = [W_Q1 | W_Q2]) the result differs "
+                             "from the lab's MHA output")
+    return "split into heads, causal attention per head, merged and projected by W_O"
+
+
+@exercise("03", "next_token")
+def next_token(ns):
+    fn = require(ns, "next_token")
+    for n, d, vocab, seed in ((3, 4, 7, 50), (1, 5, 11, 51), (6, 3, 5, 52)):
+        layer_output, w_lm = _random(n, d, seed=seed), _random(d, vocab, seed=seed + 1)
+        logits = layer_output @ w_lm
+        got = fn(layer_output.clone(), w_lm)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise ExerciseFailed("return a pair: (the next token's id, the last position's probabilities)")
+        token, probs = got
+        if isinstance(token, torch.Tensor):
+            raise ExerciseFailed("return the token id as a Python int (int(...) or .item()), not a tensor")
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ExerciseFailed(f"the token id should be an int, got {type(token).__name__}")
+        if isinstance(probs, torch.Tensor) and probs.shape == (n, vocab) and n > 1:
+            raise ExerciseFailed("only the LAST position's logits choose the next token: return its "
+                                 f"{vocab} probabilities, not every position's")
+        probs = expect_tensor(probs, (vocab,), f"the probabilities over a vocabulary of {vocab}")
+        if n > 1 and _close(probs, logits[0].softmax(-1)):
+            raise ExerciseFailed("the first position's logits were used: the last position predicts what comes "
+                                 "after the prompt")
+        if _close(probs, logits[-1]):
+            raise ExerciseFailed("those are logits: the probabilities are their softmax")
+        if n > 1 and _close(probs, logits.softmax(0)[-1]):
+            raise ExerciseFailed("the softmax ran over positions: take it over the vocabulary (the last dimension)")
+        if not _close(probs, logits[-1].softmax(-1)):
+            raise ExerciseFailed("the probabilities differ from softmax(layer_output[-1] @ W_LM)")
+        if token == int(logits.argmax()) and token != int(logits[-1].argmax()):
+            raise ExerciseFailed("argmax over every position's logits flattened: take it over the last row only")
+        if token != int(logits[-1].argmax()):
+            raise ExerciseFailed(f"token {token} is not the most probable one ({int(logits[-1].argmax())})")
+    for empty in (torch.zeros(0, 4, dtype=torch.float64),):
+        try:
+            fn(empty, _random(4, 5, seed=53))
+        except ExerciseFailed:
+            raise
+        except Exception as error:
+            name = getattr(error, "type_name", type(error).__name__)
+            if name != "ValueError":
+                raise ExerciseFailed(f"no positions at all raised {name}: raise a ValueError that says so") from None
+        else:
+            raise ExerciseFailed("no positions at all was accepted: raise a ValueError (there is no last position)")
+    return "the last position's logits, softmax over the vocabulary, argmax as an int"
 
 
 @exercise("03", "knowledge_check")
@@ -102,7 +276,7 @@ def knowledge_check(ns):
     trace = ref.forward(model, [model.token_id("I"), model.token_id("love")])
     return grade_answers(ns, {
         1: Number(trace.weights[0, 1, 0].item(), "Step 4: row 1 of head 1's attention weights", rel_tol=2e-3),
-        2: Choice("a", "Step 4: which positions j > i the mask hides"),
+        2: Number(int(ref.causal_mask(2, 5).sum()), "Step 4: query i of a chunk sits at position n_k - n_q + i"),
         3: Number(trace.probs[-1, trace.next_token].item(), "the last step: the softmax of the last position's "
                   "logits", rel_tol=4e-3),
         4: Choice("a", "'How W_K1 and W_V1 were built'"),
