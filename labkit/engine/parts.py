@@ -60,18 +60,19 @@ class Request:
     blocks: int  # free KV blocks admitting it takes
 
 
-# --- labkit's own answers, with the exercises' signatures ------------------------------------
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+# --- labkit's own answers, with the exercises' signatures (named apart from the exercises, so that a
+# student's `self.prepare_step` is never taken for a use of labkit's) ----------------------------
+def labkit_top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep each row's k largest logits (ties with the k-th included); the rest become -inf."""
     return apply_top_k(logits, torch.full((logits.shape[0],), k, device=logits.device))
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def labkit_top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep each row's smallest set of most likely tokens whose probability reaches top_p."""
     return apply_top_p(logits, torch.full((logits.shape[0],), top_p, dtype=torch.float64, device=logits.device))
 
 
-def cached_prefix_blocks(token_ids: list[int], block_size: int, hash_to_block: dict, blocks: list) -> list[int]:
+def labkit_cached_prefix_blocks(token_ids: list[int], block_size: int, hash_to_block: dict, blocks: list) -> list[int]:
     """Ids of the cached blocks a prompt reuses: the chained-hash lookup of `BlockManager.prefix_hits`."""
     manager = BlockManager.__new__(BlockManager)  # its lookup, over the given table and blocks
     manager.enable_prefix_caching, manager.block_size = True, block_size
@@ -79,7 +80,7 @@ def cached_prefix_blocks(token_ids: list[int], block_size: int, hash_to_block: d
     return [block.block_id for block in BlockManager.prefix_hits(manager, token_ids)]
 
 
-def take_free_block(free_uncached, free_cached, hash_to_block: dict, blocks: list) -> int:
+def labkit_take_free_block(free_uncached, free_cached, hash_to_block: dict, blocks: list) -> int:
     """A never-cached free block if there is one, else the least recently freed cached one, evicted."""
     manager = BlockManager.__new__(BlockManager)
     manager._free_uncached, manager._free_cached = free_uncached, free_cached
@@ -88,12 +89,12 @@ def take_free_block(free_uncached, free_cached, hash_to_block: dict, blocks: lis
     return BlockManager._take_free_block(manager)
 
 
-def can_append(num_tokens: int, num_blocks_held: int, block_size: int, num_free_blocks: int) -> bool:
+def labkit_can_append(num_tokens: int, num_blocks_held: int, block_size: int, num_free_blocks: int) -> bool:
     """Whether a sequence of num_tokens tokens holding num_blocks_held blocks finds KV slots for them all."""
     return -(-num_tokens // block_size) - num_blocks_held <= num_free_blocks
 
 
-def schedule_step(running: list, waiting: list, token_budget: int, max_num_seqs: int,
+def labkit_schedule_step(running: list, waiting: list, token_budget: int, max_num_seqs: int,
                   free_blocks: int) -> list[tuple]:
     """labkit's admission rule: running ones decode one token each; then waiting requests by priority
     and arrival, while seats, tokens and blocks last, each chunked to the budget; the head is never
@@ -109,7 +110,7 @@ def schedule_step(running: list, waiting: list, token_budget: int, max_num_seqs:
     return plan
 
 
-def prepare_step(token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
+def labkit_prepare_step(token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
                  block_tables: list[list[int]], block_size: int) -> dict[str, torch.Tensor]:
     """One step's model inputs: sequence i computes its tokens num_computed[i] .. + num_new[i]."""
     runner = ModelRunner.__new__(ModelRunner)
@@ -128,13 +129,13 @@ STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_map
 class EngineParts:
     """The replaceable parts of `LLM` (see the module docstring); each defaults to labkit's own."""
 
-    top_k_filter: Callable = top_k_filter
-    top_p_filter: Callable = top_p_filter
-    cached_prefix_blocks: Callable = cached_prefix_blocks
-    take_free_block: Callable = take_free_block
-    can_append: Callable = can_append
-    schedule_step: Callable = schedule_step
-    prepare_step: Callable = prepare_step
+    top_k_filter: Callable = labkit_top_k_filter
+    top_p_filter: Callable = labkit_top_p_filter
+    cached_prefix_blocks: Callable = labkit_cached_prefix_blocks
+    take_free_block: Callable = labkit_take_free_block
+    can_append: Callable = labkit_can_append
+    schedule_step: Callable = labkit_schedule_step
+    prepare_step: Callable = labkit_prepare_step
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
