@@ -228,14 +228,12 @@ def test_a_part_raising_midway_leaves_no_block_or_request_behind(small):
 def test_smollm2_with_plain_parts_matches_through_preemption():
     """SmolLM2 itself: four prompts, greedy and seeded, in 5 blocks of 16: the engine preempts, and the
     independently written parts give labkit's tokens."""
-    from labkit.model import load_model
-    from labkit.tokenizer import load_tokenizer
+    from labkit.grading.labs.lab11 import smollm2_cpu  # one load per process, shared with the capstone's grader
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = load_model("smollm2", device="cpu")
-        tokenizer = load_tokenizer("smollm2")
+        model, tokenizer = smollm2_cpu()
         prompts = ["The capital of France is", "The capital of France is a city where",
                    "1, 2, 3, 4,", "Once upon a time, in a small village at the edge of a forest,"]
         params = [dataclasses.replace(GREEDY, max_tokens=8), dataclasses.replace(SEEDED, max_tokens=8)] * 2

@@ -17,8 +17,8 @@ wrote in that lab plugs in unchanged:
 | `schedule_step`        | Lab 10 `schedule_step`  | which waiting requests join this step, with how many tokens |
 | `prepare_step`         | Lab 11 `prepare_step`   | input_ids, positions, cu_seqlens_q/k, slot_mapping, block_tables |
 
-A part left at its default is labkit's own answer to that exercise, written against the same
-signature; `LLM(parts=EngineParts())` therefore runs every adapter below with labkit's answers and
+A part left at its default is labkit's own answer to that exercise (`labkit_<part>` below), written
+against the same signature; `LLM(parts=EngineParts())` therefore runs every adapter below with labkit's answers and
 gives the tokens of `LLM()` (the tests check it). The adapters turn the engine's state into each
 exercise's plain arguments, call the part, check what it returns, and raise `PartError` naming the
 part when it raises or answers something the engine cannot use. Block-manager calls are all or

@@ -350,7 +350,8 @@ CAPSTONE_ENGINE = {"block_size": 16, "num_kvcache_blocks": 5, "max_num_batched_t
 
 
 @functools.cache
-def _smollm2():
+def smollm2_cpu():
+    """SmolLM2 and its tokenizer on the CPU, loaded once per process (the parts tests share it)."""
     from labkit.model import load_model
     from labkit.tokenizer import load_tokenizer
 
@@ -373,7 +374,7 @@ def _run_engine(parts):
     from labkit.engine import LLM, FinishReason
     from labkit.engine.parts import PartError
 
-    model, tokenizer = _smollm2()
+    model, tokenizer = smollm2_cpu()
     llm = LLM(model, tokenizer=tokenizer, parts=parts, **CAPSTONE_ENGINE)
     schedule, trace = llm.scheduler.schedule, []
 
