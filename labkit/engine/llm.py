@@ -14,12 +14,14 @@ the stop rules and releases what finished.
 """
 
 import dataclasses
+import functools
 import itertools
 import numbers
 import sys
 import time
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -50,7 +52,9 @@ class LLM:
                  long_prefill_token_threshold: int = 0, priority_aging_steps: int | None = 50,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
-                 use_cuda_graph: bool = True, kv_cache_dtype: str = "auto"):
+                 use_cuda_graph: bool = True, kv_cache_dtype: str = "auto", parts=None):
+        """`parts`: an `EngineParts` (labkit/engine/parts.py) whose functions replace the engine's own
+        sampling filters, prefix lookup, free-block choice, scheduling rule and step preparation."""
         if isinstance(model, DecoderModel):  # already loaded: several engines can share one model
             if tokenizer is None:
                 raise ValueError("an already-loaded model needs its tokenizer: pass tokenizer=")
@@ -75,9 +79,10 @@ class LLM:
         self.storage = PagedKVStorage(config.num_layers, num_kvcache_blocks, block_size, config.num_kv_heads,
                                       config.head_dim, dtype=self.model.dtype, device=self.device,
                                       kv_cache_dtype=kv_cache_dtype)
-        self.block_manager = BlockManager(num_kvcache_blocks, block_size,
-                                          enable_prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(
+        components = _components(parts)
+        self.block_manager = components.block_manager(num_kvcache_blocks, block_size,
+                                                      enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = components.scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
                             preemption_mode, long_prefill_token_threshold, priority_aging_steps),
             self.block_manager, self.storage)
@@ -87,7 +92,7 @@ class LLM:
             graphs = _capture_decode_graphs(self.model, backend,
                                             capture_sizes(max_num_seqs, max_num_batched_tokens, num_kvcache_blocks),
                                             -(-max_model_len // block_size), max_model_len)
-        self.runner = ModelRunner(self.model, self.storage, backend, graphs)
+        self.runner = components.model_runner(self.model, self.storage, backend, graphs)
         self.eos_token_id = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.metrics = EngineMetrics()
         self._requests: dict[int, Sequence] = {}
@@ -479,6 +484,19 @@ class LLM:
 
     def reset_metrics(self) -> None:
         self.metrics = EngineMetrics()
+
+
+def _components(parts):
+    """The block manager, scheduler and model runner classes: labkit's, or adapters asking `parts`."""
+    if parts is None:
+        return SimpleNamespace(block_manager=BlockManager, scheduler=Scheduler, model_runner=ModelRunner)
+    from labkit.engine.parts import EngineParts, PartsBlockManager, PartsModelRunner, PartsScheduler
+
+    if not isinstance(parts, EngineParts):
+        raise TypeError(f"parts must be an EngineParts (labkit.engine.parts), got {type(parts).__name__}")
+    return SimpleNamespace(block_manager=functools.partial(PartsBlockManager, parts),
+                           scheduler=functools.partial(PartsScheduler, parts),
+                           model_runner=functools.partial(PartsModelRunner, parts))
 
 
 def _capture_decode_graphs(model, backend, sizes, max_blocks, max_model_len):

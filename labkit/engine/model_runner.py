@@ -67,17 +67,13 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
         """Flatten one scheduled step into the model's inputs and the attention metadata."""
         input_ids: list[int] = []
-        starts, ends, tables, sampled_seqs, is_sampled = [], [], [], [], []
+        starts, ends, tables = [], [], []
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_cached_tokens
             input_ids.extend(seq.token_ids[start:start + n])
             starts.append(start)
             ends.append(start + n)
             tables.append(seq.block_table)
-            is_sampled.append(start + n == seq.num_tokens)  # reaches the end: the next token is sampled
-            if is_sampled[-1]:
-                sampled_seqs.append(seq)
-        dev = self.device
         q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
         cu_q = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=cu_q[1:])
@@ -91,14 +87,24 @@ class ModelRunner:
         block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
         blocks = block_tables[seq_index, positions // self.block_size].to(torch.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
-        sample_rows = (cu_q[1:] - 1)[torch.tensor(is_sampled)]
+        return self.step_inputs(seqs, torch.tensor(input_ids, dtype=torch.int64), positions, cu_q, cu_k,
+                                slot_mapping, block_tables)
+
+    def step_inputs(self, seqs: list[Sequence], input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping,
+                    block_tables) -> StepInputs:
+        """The step's tensors on the model's device, and the rows that get logits: the last new row
+        of each sequence whose step reaches its end (its next token is due)."""
+        ends = cu_seqlens_k.diff().tolist()
+        is_sampled = [end == seq.num_tokens for seq, end in zip(seqs, ends, strict=True)]
+        sampled_seqs = [seq for seq, sampled in zip(seqs, is_sampled, strict=True) if sampled]
+        sample_rows = (cu_seqlens_q[1:] - 1)[torch.tensor(is_sampled, dtype=torch.bool)]
+        dev = self.device
         meta = AttentionMetadata(
-            cu_seqlens_q=cu_q.to(dev), cu_seqlens_k=cu_k.to(dev),
-            max_seqlen_q=max(num_new_tokens), max_seqlen_k=max(ends),
+            cu_seqlens_q=cu_seqlens_q.to(dev), cu_seqlens_k=cu_seqlens_k.to(dev),
+            max_seqlen_q=int(cu_seqlens_q.diff().max()), max_seqlen_k=max(ends),
             slot_mapping=slot_mapping.to(dev), block_tables=block_tables.to(dev),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev)
-        return StepInputs(ids, positions.to(dev), meta, sample_rows.to(dev), sampled_seqs)
+        return StepInputs(input_ids.to(dev), positions.to(dev), meta, sample_rows.to(dev), sampled_seqs)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardOutput:

@@ -214,26 +214,39 @@ class Scheduler:
 
         if self.swapped:  # the swapped come back before anything new starts
             return out
+        self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Step 3: admit waiting sequences in order while blocks, `budget` tokens and seats last."""
         self.waiting.sort(key=self.order)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            use_prefix_cache = not seq.needs_prompt_logprobs  # every prompt position's logits are wanted
-            if not bm.can_allocate(seq, use_prefix_cache):
+            if not self.block_manager.can_allocate(seq, self.uses_prefix_cache(seq)):
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
-            bm.allocate(seq, use_prefix_cache)
-            # A prompt cached in full still runs its last token: that row gives the next token's logits.
-            seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.perf_counter()
-                seq.num_prefix_cached_tokens = seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.pop(0)
-            n = self._chunk(seq, budget)
-            self._take(seq, n, out)
+            n = self._admit(seq, budget, out)
             budget -= n
-        return out
+
+    @staticmethod
+    def uses_prefix_cache(seq: Sequence) -> bool:
+        """False for a request that wants every prompt position's logprobs: all of them are computed."""
+        return not seq.needs_prompt_logprobs
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Move `seq` from waiting to running with its blocks; it computes up to `budget` tokens now."""
+        self.block_manager.allocate(seq, self.uses_prefix_cache(seq))
+        # A prompt cached in full still runs its last token: that row gives the next token's logits.
+        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.perf_counter()
+            seq.num_prefix_cached_tokens = seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.remove(seq)
+        n = self._chunk(seq, budget)
+        self._take(seq, n, out)
+        return n
 
     def order(self, seq: Sequence) -> tuple[int, int]:
         """Sort key: higher effective priority first, then earlier arrival. The effective priority

@@ -1,15 +1,550 @@
-"""Lab 11: the full engine. Its knowledge check computes one step's inputs with labkit's ModelRunner."""
+"""Lab 11: the engine step by hand. One step's tensors (against labkit's ModelRunner.prepare on real
+scheduler states), stop strings streamed with hold-back, releasing an aborted request's blocks, and
+the capstone: labkit's engine on SmolLM2 run with the student's own parts."""
 
-from labkit.grading import exercise
+import functools
+import random
+from collections import OrderedDict, deque
+from types import SimpleNamespace
+
+import torch
+
+from labkit.cache.block_manager import Block, BlockManager, hash_block
+from labkit.cache.paged_storage import PagedKVStorage
+from labkit.grading import ExerciseFailed, exercise, require
+from labkit.sampling.stop import find_stop_string
+
+STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "block_tables")
+_PREPARE = ("labkit.engine.model_runner.ModelRunner.prepare", "labkit.engine.model_runner.ModelRunner.step_inputs",
+            "labkit.engine.parts.labkit_prepare_step")
+
+
+# --- exercise 1: one step's tensors -------------------------------------------------------------
+def mixed_steps():
+    """Scheduler states of real engine steps, each mixing a prefill chunk, a prompt whose first
+    blocks are prefix-cache hits, and decodes: [(seqs, num_new_tokens, block_size)]."""
+    from labkit.engine import Scheduler, SchedulerConfig, Sequence
+    from labkit.sampling import SamplingParams
+
+    block_size = 8
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, max_model_len=128)
+    scheduler = Scheduler(config, BlockManager(24, block_size), PagedKVStorage(1, 24, block_size, 1, 4))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    system = list(range(500, 517))  # 17 shared tokens: two full blocks can hit
+    requests = [Sequence(system + [1, 2, 3], params), Sequence(list(range(600, 611)), params)]
+    later = [Sequence(list(range(700, 745)), params), Sequence(system + [9, 8, 7, 6], params)]
+    steps, token = [], 1000
+    for step in range(9):
+        for seq in requests if step == 0 else later if step == 3 else []:
+            scheduler.add(seq)
+        out = scheduler.schedule()
+        kinds = {"decode" if not seq.is_prefill else "hit" if seq.num_prefix_cached_tokens else "prefill"
+                 for seq in out.seqs}
+        if len(kinds) >= 2:
+            steps.append(([_frozen(seq) for seq in out.seqs], list(out.num_new_tokens), block_size))
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if seq.num_cached_tokens + n == seq.num_tokens:
+                seq.append_token(token)
+                token += 1
+        scheduler.postprocess(out)
+    return steps
+
+
+def _frozen(seq):
+    """What ModelRunner.prepare reads of a sequence, copied as it is in this step."""
+    return SimpleNamespace(token_ids=list(seq.token_ids), num_cached_tokens=seq.num_cached_tokens,
+                           block_table=list(seq.block_table), num_tokens=seq.num_tokens)
+
+
+def _random_step(rng: random.Random):
+    block_size = rng.choice([8, 16])
+    seqs, num_new, next_block = [], [], 0
+    for _ in range(rng.randint(1, 5)):
+        length = rng.randint(1, 60)
+        computed = rng.choice([0, length - 1, rng.randint(0, length - 1)])
+        blocks = -(-length // block_size)
+        table = list(range(next_block, next_block + blocks))
+        rng.shuffle(table)
+        next_block += blocks
+        seqs.append(SimpleNamespace(token_ids=[rng.randint(3, 49000) for _ in range(length)],
+                                    num_cached_tokens=computed, block_table=table, num_tokens=length))
+        num_new.append(rng.randint(1, length - computed))
+    return seqs, num_new, block_size
+
+
+def reference_step(seqs, num_new, block_size) -> dict:
+    from labkit.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(SimpleNamespace(device=torch.device("cpu")),
+                         SimpleNamespace(block_size=block_size), backend=None)
+    step = runner.prepare(seqs, num_new)
+    return {"input_ids": step.input_ids, "positions": step.positions, "cu_seqlens_q": step.meta.cu_seqlens_q,
+            "cu_seqlens_k": step.meta.cu_seqlens_k, "slot_mapping": step.meta.slot_mapping,
+            "block_tables": step.meta.block_tables}
+
+
+def _step_args(seqs, num_new, block_size):
+    return ([list(s.token_ids) for s in seqs], [s.num_cached_tokens for s in seqs], list(num_new),
+            [list(s.block_table) for s in seqs], block_size)
+
+
+def _where(seqs, num_new, block_size) -> str:
+    return "; ".join(f"seq {i}: {s.num_tokens} tokens, {s.num_cached_tokens} computed, {n} new, table "
+                     f"{s.block_table}" for i, (s, n) in enumerate(zip(seqs, num_new, strict=True))) + \
+        f" (block_size {block_size})"
+
+
+def _diagnose_step(key, got, want, seqs, num_new, block_size) -> str:
+    starts = [s.num_cached_tokens for s in seqs]
+    ends = [s.num_cached_tokens + n for s, n in zip(seqs, num_new, strict=True)]
+    if key == "input_ids" and got.numel() == sum(ends):
+        return "input_ids holds every token up to the step's end: only the new ones are computed (the cached " \
+               "tokens' K/V is already in the cache)"
+    if key == "positions":
+        restart = torch.cat([torch.arange(n) for n in num_new])
+        if got.numel() == restart.numel() and torch.equal(got, restart):
+            return "positions restart at 0 for each sequence: a token's position is its index in its sequence, " \
+                   "num_computed + i"
+    if key in ("cu_seqlens_q", "cu_seqlens_k"):
+        lengths = want.diff()
+        if (got.numel() == len(seqs) and torch.equal(got, lengths)) or (
+                got.numel() == want.numel() and torch.equal(got[1:], lengths)):
+            return f"{key} holds each sequence's length: it is their running sum, starting at 0"
+        if got.numel() == len(seqs) and torch.equal(got, want[1:]):
+            return f"{key} lacks its leading 0: B + 1 entries, sequence i's rows are [cu[i], cu[i+1])"
+        if key == "cu_seqlens_k" and got.numel() == want.numel() and torch.equal(got, reference_cu(num_new)):
+            return "cu_seqlens_k counts only the new tokens: it counts each sequence's whole context, cached + new"
+        if key == "cu_seqlens_k" and got.numel() == want.numel() and torch.equal(
+                got, reference_cu([s.num_tokens for s in seqs])):
+            return "cu_seqlens_k counts every token the sequence holds: a chunk's context ends at its last new " \
+                   "token, num_computed + num_new"
+    if key == "slot_mapping" and got.numel() == want.numel():
+        positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends, strict=True)])
+        if torch.equal(got, want + 1) or torch.equal(got, want - 1):
+            return "slot_mapping is off by one: a token at position p goes to offset p % block_size of its block"
+        if torch.equal(got, positions):
+            return "slot_mapping used the positions: the slot is block_table[p // block_size] * block_size + " \
+                   "p % block_size, in the sequence's own blocks"
+        by_index = torch.cat([torch.tensor([s.block_table[min(i, len(s.block_table) - 1)] * block_size + p % block_size
+                                            for i, p in enumerate(range(a, b))]) if b > a else torch.tensor([])
+                              for s, a, b in zip(seqs, starts, ends, strict=True)]).long()
+        if torch.equal(got, by_index):
+            return "slot_mapping indexed the block table by the token's index in the step: use p // block_size"
+    if key == "block_tables" and got.shape == want.shape and torch.equal(got.masked_fill(want == -1, -1), want):
+        return "block_tables pads short tables with something other than -1: -1 marks 'no block'"
+    return f"{key}: expected {want.tolist()}, got {got.tolist()}"
+
+
+def reference_cu(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+@exercise("11", "prepare_step", forbidden=_PREPARE)
+def prepare_step(ns):
+    fn = require(ns, "prepare_step")
+    rng = random.Random(11)
+    cases = mixed_steps() + [_random_step(rng) for _ in range(25)]
+    for seqs, num_new, block_size in cases:
+        args = _step_args(seqs, num_new, block_size)
+        got = fn(*args)
+        if list(args[0]) != [list(s.token_ids) for s in seqs] or list(args[3]) != [s.block_table for s in seqs]:
+            raise ExerciseFailed("prepare_step changed its arguments: the engine's sequences must stay as they are")
+        if not isinstance(got, dict) or set(got) != set(STEP_KEYS):
+            keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+            raise ExerciseFailed(f"return a dict with the keys {list(STEP_KEYS)}, got {keys}")
+        want = reference_step(seqs, num_new, block_size)
+        for key in STEP_KEYS:
+            value = got[key]
+            if not isinstance(value, torch.Tensor) or value.is_floating_point():
+                raise ExerciseFailed(f"{key} must be an integer tensor (torch.tensor of ints), got "
+                                     f"{getattr(value, 'dtype', type(value).__name__)}")
+            if value.shape != want[key].shape or not torch.equal(value.long(), want[key].long()):
+                raise ExerciseFailed(f"{_diagnose_step(key, value.long(), want[key].long(), seqs, num_new, block_size)}"
+                                     f" [step: {_where(seqs, num_new, block_size)}]")
+    return "a mixed step's flat batch, positions, cu_seqlens, slots and block tables match the ModelRunner's"
+
+
+# --- exercise 2: stop strings, streamed ----------------------------------------------------------
+def reference_stop_stream(pieces, stop, include_stop_str_in_output):
+    """labkit's rule (LLM.stream and check_stop): the earliest stop string that ends in the new
+    text ends the output before it (after it, if asked); until then the last max(len) - 1
+    characters are held back, since they may begin a stop string; the last piece flushes."""
+    hold = max((len(s) - 1 for s in stop), default=0)
+    text, sent, emitted = "", 0, []
+    for i, piece in enumerate(pieces):
+        text += piece
+        match = find_stop_string(text, stop, len(piece))
+        if match is not None:
+            end = match.start + (len(match.stop) if include_stop_str_in_output else 0)
+            emitted.append(text[sent:end])
+            return emitted, match.stop
+        ready = len(text) if i == len(pieces) - 1 else max(sent, len(text) - hold)
+        emitted.append(text[sent:ready])
+        sent = ready
+    return emitted, None
+
+
+STOP_CASES = [
+    (["Hello", " wor", "ld", "\n\nUs", "er:", " more"], ["\n\nUser:"], False),
+    (["Hello", " wor", "ld", "\n\nUs", "er:", " more"], ["\n\nUser:"], True),
+    (["The answer", " is 4", ". Done", " here"], ["Done", "4."], False),
+    (["a", "b", "c", "d", "e"], ["xyz"], False),
+    (["end", "ing", " ENDING"], ["END"], True),
+    (["one STOP two STOP"], ["STOP"], False),
+    (["x", "ST", "OP", "y"], ["STOP", "TOP!"], False),
+    (["no stop strings at all"], [], False),
+    (["ab", "ab", "ab"], ["bab", "ba"], True),
+]
+
+
+@exercise("11", "stop_stream", forbidden=("labkit.sampling.stop.find_stop_string", "labkit.sampling.stop.check_stop",
+                                          "labkit.sampling.check_stop",
+                                          "labkit.grading.labs.lab11.reference_stop_stream"))
+def stop_stream(ns):
+    fn = require(ns, "stop_stream")
+    rng = random.Random(1111)
+    alphabet = "ab:\n"
+    cases = list(STOP_CASES) + [([("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))))
+                                  for _ in range(rng.randint(1, 8))],
+                                 ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+                                  for _ in range(rng.randint(1, 2))], rng.random() < 0.5) for _ in range(300)]
+    for pieces, stop, include in cases:
+        got = fn(list(pieces), list(stop), include)
+        want = reference_stop_stream(pieces, stop, include)
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], list)):
+            raise ExerciseFailed(f"return (list of emitted strings, the stop string or None), got {got!r}")
+        if got == want:
+            continue
+        raise ExerciseFailed(_diagnose_stop(got, want, pieces, stop, include))
+    return "stop strings found across token boundaries, the text held back until it cannot start one"
+
+
+def _diagnose_stop(got, want, pieces, stop, include) -> str:
+    where = f"pieces={pieces!r}, stop={stop!r}, include_stop_str_in_output={include}"
+    emitted, reason = got
+    final, want_final = "".join(emitted), "".join(want[0])
+    if reason != want[1]:
+        if want[1] is not None and reason is None:
+            return f"missed the stop string {want[1]!r}: it can span pieces, search where it could end in the " \
+                   f"new text, starting len(stop) - 1 characters back. {where}"
+        return f"stopped on {reason!r}, expected {want[1]!r}: the earliest match in the text wins. {where}"
+    if want[1] is not None and final == want_final + want[1]:
+        return f"kept the stop string although include_stop_str_in_output is False. {where}"
+    if want[1] is not None and final + want[1] == want_final:
+        return f"include_stop_str_in_output=True keeps the stop string at the end of the output. {where}"
+    if final != want_final:
+        sent = "".join(emitted[:len(want[0])])
+        if want[1] is not None and len(sent) > len(want_final) and sent.startswith(want_final):
+            return f"streamed text that the stop string later cut: hold back the last max(len(stop)) - 1 " \
+                   f"characters until they cannot begin a stop string. {where}"
+        return f"the output should be {want_final!r}, your pieces join to {final!r}. {where}"
+    if len(emitted) != len(want[0]):
+        return f"emit one string per piece consumed ({len(want[0])} here), '' when everything is held back. {where}"
+    return f"emitted {emitted!r}, expected {want[0]!r}: hold back exactly max(len(stop)) - 1 characters, and flush " \
+           f"the rest after the last piece. {where}"
+
+
+# --- exercise 3: abort returns the blocks --------------------------------------------------------
+def reference_release(block_table, blocks, free_uncached, free_cached, hash_to_block) -> None:
+    """BlockManager's release: the tail first, one reference per block; a block nobody holds keeps
+    its hash in the LRU list if the hash table points at it, else it is cleared."""
+    for block_id in reversed(block_table):
+        block = blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            continue
+        if block.hash is not None and hash_to_block.get(block.hash) == block_id:
+            free_cached[block_id] = None
+        else:
+            block.hash = block.token_ids = None
+            free_uncached.append(block_id)
+    block_table.clear()
+
+
+def _pool_state():
+    """A pool where one sequence (the one to abort) holds hashed, shared, duplicate and partial blocks."""
+    blocks = [Block(i) for i in range(12)]
+    hash_to_block, prev = {}, None
+    table = [3, 7, 1, 9, 4]
+    for i, block_id in enumerate(table[:4]):  # four full computed blocks, the fifth partial
+        tokens = tuple(range(10 * i, 10 * i + 4))
+        prev = hash_block(prev, tokens)
+        blocks[block_id].hash, blocks[block_id].token_ids, blocks[block_id].ref_count = prev, tokens, 1
+        hash_to_block[prev] = block_id
+    blocks[table[4]].ref_count = 1
+    blocks[7].ref_count = 2  # shared with a sibling sample
+    hash_to_block[blocks[1].hash] = 11  # block 1 duplicates a block cached elsewhere (11)
+    blocks[11].hash, blocks[11].token_ids = blocks[1].hash, blocks[1].token_ids
+    free_uncached = deque([0, 2, 5])
+    free_cached = OrderedDict([(11, None)])
+    for i in (6, 8, 10):
+        blocks[i].ref_count = 1
+    return table, blocks, free_uncached, free_cached, hash_to_block
+
+
+def _state(blocks, free_uncached, free_cached, hash_to_block):
+    return ([(b.ref_count, b.hash, b.token_ids) for b in blocks], list(free_uncached), list(free_cached),
+            dict(hash_to_block))
+
+
+@exercise("11", "release_blocks", forbidden=("labkit.cache.block_manager.BlockManager.deallocate",
+                                             "labkit.cache.block_manager.BlockManager._release_table",
+                                             "labkit.grading.labs.lab11.reference_release"))
+def release_blocks(ns):
+    fn = require(ns, "release_blocks")
+    for case in range(3):
+        args = _pool_state()
+        want_args = _pool_state()
+        if case == 1:  # nothing shared, nothing duplicated
+            for a in (args, want_args):
+                a[1][7].ref_count = 1
+        if case == 2:  # a sequence with one partial block
+            args, want_args = ([4], *args[1:]), ([4], *want_args[1:])
+        result = fn(*args)
+        reference_release(*want_args)
+        if result is not None:
+            raise ExerciseFailed("release_blocks works in place and returns None")
+        got, want = _state(*args[1:]), _state(*want_args[1:])
+        if got == want and args[0] == []:
+            continue
+        raise ExerciseFailed(_diagnose_release(args, got, want))
+    return "every reference dropped, cached blocks kept for reuse (tail first), the rest cleared"
+
+
+def _diagnose_release(args, got, want) -> str:
+    refs, uncached, cached, table = got
+    want_refs, want_uncached, want_cached, want_table = want
+    if args[0] != []:
+        return "the sequence still lists its blocks: empty its block table (it holds nothing now)"
+    if refs[7][0] == 0 and want_refs[7][0] == 1:
+        return "a block shared with another sequence (ref_count 2) was freed: drop one reference, free it at 0"
+    if any(r[0] < 0 for r in refs):
+        return "a ref_count went below 0"
+    if [r[0] for r in refs] != [r[0] for r in want_refs]:
+        return "drop one reference (ref_count -= 1) for every block of the sequence"
+    if table != want_table:
+        return "the hash table changed: a released block keeps its entry, so a later prompt can hit it"
+    if any(r[1] is None for r, w in zip(refs, want_refs, strict=True) if w[1] is not None):
+        return "a cached block lost its hash: keep the hash and tokens of a block the table points at, so it " \
+               "can be hit again (until it is evicted)"
+    if 4 in cached:
+        return "a block without a hash (partial, never computed) went to the cached list: it goes to the " \
+               "uncached list"
+    if 1 in cached:
+        return "block 1 went to the cached list, but the hash table points at another block with the same " \
+               "content (11): only the block the table points at can be found again; clear the others"
+    if set(cached) == set(want_cached) and set(uncached) == set(want_uncached):
+        return (f"free lists in the wrong order ({cached} cached, {uncached} uncached; expected {want_cached}, "
+                f"{want_uncached}): release the tail first, so LRU eviction takes a prompt's last blocks first")
+    if any(b in uncached for b in want_cached):
+        return "a computed block the hash table points at went to the uncached list: keep it in free_cached " \
+               "(LRU) so a later prompt can reuse it"
+    return f"after the release: expected ref counts/hashes {want_refs}, free {want_uncached} + {want_cached}; got " \
+           f"{refs}, {uncached} + {cached}"
+
+
+# --- capstone: labkit's engine with the student's parts -----------------------------------------
+CAPSTONE_PROMPTS = ["The capital of France is", "The capital of France is a city where", "1, 2, 3, 4,",
+                    "Once upon a time, in a small village at the edge of a forest,"]
+CAPSTONE_ENGINE = {"block_size": 16, "num_kvcache_blocks": 5, "max_num_batched_tokens": 48, "max_model_len": 64}
+
+
+@functools.cache
+def smollm2_cpu():
+    """SmolLM2 and its tokenizer on the CPU, loaded once per process (the parts tests share it)."""
+    from labkit.model import load_model
+    from labkit.tokenizer import load_tokenizer
+
+    return load_model("smollm2", device="cpu"), load_tokenizer("smollm2")
+
+
+def _capstone_params():
+    from labkit.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # Hot and narrow, so a filter that keeps one token too many (or too few) changes a draw.
+    seeded = SamplingParams(temperature=1.5, top_k=3, top_p=0.7, seed=7, max_tokens=8, ignore_eos=True)
+    return [greedy, seeded, greedy, seeded]
+
+
+def _run_engine(parts):
+    """The batch's tokens, the schedule of every step, and the metrics; a part's error as a string."""
+    import warnings
+
+    from labkit.engine import LLM, FinishReason
+    from labkit.engine.parts import PartError
+
+    model, tokenizer = smollm2_cpu()
+    llm = LLM(model, tokenizer=tokenizer, parts=parts, **CAPSTONE_ENGINE)
+    schedule, trace = llm.scheduler.schedule, []
+
+    def traced():
+        out = schedule()
+        trace.append([(seq.seq_id, n) for seq, n in zip(out.seqs, out.num_new_tokens, strict=True)])
+        return out
+
+    llm.scheduler.schedule = traced
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            outputs = llm.generate(CAPSTONE_PROMPTS, _capstone_params())
+    except PartError as error:
+        return str(error)
+    finally:
+        torch.set_num_threads(threads)
+    for out in outputs:
+        if out.outputs[0].finish_reason is FinishReason.ERROR:
+            return str(out.outputs[0].stop_reason)
+    if llm.block_manager.num_used_blocks:
+        return f"{llm.block_manager.num_used_blocks} KV blocks still in use after every request finished"
+    first = min(seq_id for step in trace for seq_id, _ in step)
+    trace = [[(seq_id - first, n) for seq_id, n in step] for step in trace]  # ids relative to the first request
+    return [o.token_ids for o in outputs], trace, llm.metrics.num_preemptions
+
+
+@functools.cache
+def _reference_run():
+    return _run_engine(None)
+
+
+PART_NAMES = ("top_k_filter", "top_p_filter", "cached_prefix_blocks", "take_free_block", "can_append",
+              "schedule_step", "prepare_step")
+
+
+@exercise("11", "CapstoneParts", forbidden=tuple(f"labkit.engine.parts.labkit_{name}" for name in PART_NAMES))
+def capstone(ns):
+    from labkit.engine.parts import EngineParts
+    from labkit.grading.core import GRADING
+    from labkit.grading.forbidden import guarded
+
+    cls = require(ns, "CapstoneParts", type)
+    holder = cls()
+    student = {}
+    wires = GRADING.get()
+    for name in PART_NAMES:
+        try:
+            part = getattr(holder, name)
+        except AttributeError:
+            raise ExerciseFailed(f"CapstoneParts has no `{name}`: give it every part, e.g. "
+                                 f"`{name} = staticmethod({name})`") from None
+        if not callable(part):
+            raise ExerciseFailed(f"CapstoneParts.{name} must be your function, got {type(part).__name__}")
+        # In the notebook's own process the parts are plain functions: arm the tripwires around them
+        # (in a student's kernel every call arms them already).
+        in_process = wires is not None and isinstance(ns, dict)
+        student[name] = guarded(wires, ns, part) if in_process else part
+    expected = _reference_run()
+    shadows = {name: _Shadow(name, part) for name, part in student.items()}
+    got = _run_engine(EngineParts(**shadows))
+    first = min((shadow for shadow in shadows.values() if shadow.mismatch), key=lambda sh: sh.mismatch_at, default=None)
+    if isinstance(got, str):
+        raise ExerciseFailed(f"the engine stopped: {got}" + (f" (before that: {first.mismatch})" if first else ""))
+    if first is not None:
+        raise ExerciseFailed(first.mismatch)
+    if got != expected:
+        raise ExerciseFailed(_difference(got, expected))
+    return (f"labkit's engine with your seven parts gives labkit's tokens on SmolLM2 for {len(CAPSTONE_PROMPTS)} "
+            f"prompts, greedy and seeded, through {expected[2]} preemption(s)")
+
+
+class _Shadow:
+    """A student's part that also asks labkit's own answer (on a copy of the same arguments) and
+    keeps the first call where the two differ, so the feedback names the part and the call."""
+
+    calls = 0  # across every part of the run: the order the engine asked them in
+
+    def __init__(self, name: str, part):
+        from labkit.engine.parts import EngineParts
+
+        self.name, self.part, self.labkit = name, part, getattr(EngineParts(), name)
+        self.mismatch, self.mismatch_at = None, None
+
+    def __call__(self, *args):
+        import copy
+
+        _Shadow.calls += 1
+        given = copy.deepcopy(args)
+        result = self.part(*args)
+        if self.mismatch is None:
+            want = self.labkit(*given)
+            problem = _compare(result, want) or _compare(_contents(args), _contents(given), "its arguments afterwards")
+            if problem:
+                self.mismatch_at = _Shadow.calls
+                self.mismatch = (f"your `{self.name}` answered the engine differently from labkit's: {problem} "
+                                 f"[the call: {_describe_args(given)}]")
+        return result
+
+
+def _contents(args):
+    """What a part may change of its arguments, comparable with ==."""
+    out = []
+    for arg in args:
+        if isinstance(arg, list) and arg and isinstance(arg[0], Block):
+            out.append([(b.ref_count, b.hash, b.token_ids) for b in arg])
+        elif isinstance(arg, (deque, OrderedDict)):
+            out.append(list(arg))
+        elif isinstance(arg, torch.Tensor):
+            out.append(arg.tolist())
+        else:
+            out.append(arg)
+    return out
+
+
+def _compare(got, want, what: str = "its answer") -> str | None:
+    if isinstance(want, torch.Tensor):
+        same = isinstance(got, torch.Tensor) and got.shape == want.shape and (
+            torch.equal(got.long(), want.long()) if not want.is_floating_point() else torch.equal(got, want))
+        if not same:
+            if want.is_floating_point() and isinstance(got, torch.Tensor) and got.shape == want.shape:
+                kept, want_kept = torch.isfinite(got).sum(-1).tolist(), torch.isfinite(want).sum(-1).tolist()
+                return f"{what} keeps {kept} tokens per row, labkit's {want_kept}"
+            return f"{what} is {_short(got)}, labkit's {_short(want)}"
+        return None
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return f"{what} has keys {sorted(got) if isinstance(got, dict) else type(got).__name__}, " \
+                   f"labkit's {sorted(want)}"
+        for key in want:
+            problem = _compare(got[key], want[key], f"{key}")
+            if problem:
+                return problem
+        return None
+    return None if got == want else f"{what} is {_short(got)}, labkit's {_short(want)}"
+
+
+def _short(value) -> str:
+    text = repr(value.tolist() if isinstance(value, torch.Tensor) and value.numel() < 64 else value)
+    return text if len(text) < 240 else text[:240] + "…"
+
+
+def _describe_args(args) -> str:
+    parts = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            parts.append(f"tensor{tuple(arg.shape)}")
+        elif isinstance(arg, list) and arg and isinstance(arg[0], Block):
+            parts.append(f"{len(arg)} blocks")
+        else:
+            parts.append(_short(arg))
+    return ", ".join(parts)
+
+
+def _difference(got, expected) -> str:
+    tokens, trace, _ = got
+    want_tokens, want_trace, _ = expected
+    for step, (mine, theirs) in enumerate(zip(trace, want_trace, strict=False)):
+        if mine != theirs:
+            return f"step {step + 1} runs (request, tokens) {mine}; labkit's runs {theirs}"
+    for i, (mine, theirs) in enumerate(zip(tokens, want_tokens, strict=True)):
+        if mine != theirs:
+            return f"prompt {i} ({CAPSTONE_PROMPTS[i]!r}) generates {mine}, labkit's engine {theirs}"
+    return f"the run takes {len(trace)} steps, labkit's {len(want_trace)}"
 
 
 @exercise("11", "knowledge_check")
 def knowledge_check(ns):
-    from types import SimpleNamespace
-
-    import torch
-
-    from labkit.cache.paged_storage import PagedKVStorage
     from labkit.engine import Sequence
     from labkit.engine.model_runner import ModelRunner
     from labkit.grading.quiz import Choice, Number, grade_answers
@@ -30,3 +565,4 @@ def knowledge_check(ns):
         4: Choice("b", "the finish reasons after the first `generate`"),
         5: Choice("a", "'The prefix cache pays off at the first token'"),
     })
+

@@ -1,0 +1,384 @@
+"""The engine's replaceable parts: where a student's own functions plug into labkit's engine.
+
+    from labkit.engine import LLM
+    from labkit.engine.parts import EngineParts
+    llm = LLM("smollm2", parts=EngineParts(top_k_filter=my_top_k_filter, prepare_step=my_prepare_step))
+
+Each part has exactly the signature of the lab exercise that builds it, so the function a student
+wrote in that lab plugs in unchanged:
+
+| part                   | exercise                | the engine asks it                                        |
+| ---------------------- | ----------------------- | --------------------------------------------------------- |
+| `top_k_filter`         | Lab 06 `top_k_filter`   | the sampled rows' logits, after temperature, for one k    |
+| `top_p_filter`         | Lab 06 `top_p_filter`   | the same after top-k, for one top_p                       |
+| `cached_prefix_blocks` | Lab 09                  | which cached blocks a waiting prompt reuses               |
+| `take_free_block`      | Lab 09                  | which free block new content goes into (LRU eviction)     |
+| `can_append`           | Lab 10 `can_append`     | whether a running sequence's next tokens have KV slots    |
+| `schedule_step`        | Lab 10 `schedule_step`  | which waiting requests join this step, with how many tokens |
+| `prepare_step`         | Lab 11 `prepare_step`   | input_ids, positions, cu_seqlens_q/k, slot_mapping, block_tables |
+
+A part left at its default is labkit's own answer to that exercise (`labkit_<part>` below), written
+against the same signature; `LLM(parts=EngineParts())` therefore runs every adapter below with labkit's answers and
+gives the tokens of `LLM()` (the tests check it). The adapters turn the engine's state into each
+exercise's plain arguments, call the part, check what it returns, and raise `PartError` naming the
+part when it raises or answers something the engine cannot use. Block-manager calls are all or
+nothing: a part that fails halfway leaves the block pool as it was, so aborting the requests (as
+`generate` does on any error) returns every block.
+"""
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from labkit.cache.block_manager import BlockManager
+from labkit.engine.model_runner import ModelRunner, StepInputs
+from labkit.engine.scheduler import Scheduler, SchedulerOutput
+from labkit.engine.sequence import Sequence
+from labkit.sampling import Sampler, SamplingMetadata
+from labkit.sampling.filters import apply_min_p, apply_temperature, apply_top_k, apply_top_p
+
+
+class PartError(RuntimeError):
+    """An engine part raised, or returned something the engine cannot use; the message names the part."""
+
+    def __init__(self, part: str, problem: str):
+        super().__init__(f"engine part `{part}`: {problem}")
+        self.part = part
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A waiting request as `schedule_step` sees it (Lab 10's record)."""
+
+    id: str
+    priority: int  # higher runs first (the engine passes its aged, effective priority)
+    arrival: int  # earlier runs first among equal priorities
+    prompt_len: int  # tokens still to compute (prefix-cache hits already taken off)
+    blocks: int  # free KV blocks admitting it takes
+
+
+# --- labkit's own answers, with the exercises' signatures (named apart from the exercises, so that a
+# student's `self.prepare_step` is never taken for a use of labkit's) ----------------------------
+def labkit_top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep each row's k largest logits (ties with the k-th included); the rest become -inf."""
+    return apply_top_k(logits, torch.full((logits.shape[0],), k, device=logits.device))
+
+
+def labkit_top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose probability reaches top_p."""
+    return apply_top_p(logits, torch.full((logits.shape[0],), top_p, dtype=torch.float64, device=logits.device))
+
+
+def labkit_cached_prefix_blocks(token_ids: list[int], block_size: int, hash_to_block: dict, blocks: list) -> list[int]:
+    """Ids of the cached blocks a prompt reuses: the chained-hash lookup of `BlockManager.prefix_hits`."""
+    manager = BlockManager.__new__(BlockManager)  # its lookup, over the given table and blocks
+    manager.enable_prefix_caching, manager.block_size = True, block_size
+    manager.hash_to_block, manager.blocks = hash_to_block, blocks
+    return [block.block_id for block in BlockManager.prefix_hits(manager, token_ids)]
+
+
+def labkit_take_free_block(free_uncached, free_cached, hash_to_block: dict, blocks: list) -> int:
+    """A never-cached free block if there is one, else the least recently freed cached one, evicted."""
+    manager = BlockManager.__new__(BlockManager)
+    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    manager.hash_to_block, manager.blocks = hash_to_block, blocks
+    manager.stats = _NoStats()
+    return BlockManager._take_free_block(manager)
+
+
+def labkit_can_append(num_tokens: int, num_blocks_held: int, block_size: int, num_free_blocks: int) -> bool:
+    """Whether a sequence of num_tokens tokens holding num_blocks_held blocks finds KV slots for them all."""
+    return -(-num_tokens // block_size) - num_blocks_held <= num_free_blocks
+
+
+def labkit_schedule_step(running: list, waiting: list, token_budget: int, max_num_seqs: int,
+                  free_blocks: int) -> list[tuple]:
+    """labkit's admission rule: running ones decode one token each; then waiting requests by priority
+    and arrival, while seats, tokens and blocks last, each chunked to the budget; the head is never
+    skipped."""
+    plan = [(rid, 1) for rid in running]
+    budget = token_budget - len(plan)
+    for req in sorted(waiting, key=lambda r: (-r.priority, r.arrival)):
+        if budget <= 0 or len(plan) >= max_num_seqs or req.blocks > free_blocks:
+            break
+        plan.append((req.id, min(req.prompt_len, budget)))
+        budget -= plan[-1][1]
+        free_blocks -= req.blocks
+    return plan
+
+
+def labkit_prepare_step(token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
+                 block_tables: list[list[int]], block_size: int) -> dict[str, torch.Tensor]:
+    """One step's model inputs: sequence i computes its tokens num_computed[i] .. + num_new[i]."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size, runner.device = block_size, torch.device("cpu")
+    seqs = [_StepSequence(t, c, b) for t, c, b in zip(token_ids, num_computed, block_tables, strict=True)]
+    step = ModelRunner.prepare(runner, seqs, list(num_new))
+    return {"input_ids": step.input_ids, "positions": step.positions, "cu_seqlens_q": step.meta.cu_seqlens_q,
+            "cu_seqlens_k": step.meta.cu_seqlens_k, "slot_mapping": step.meta.slot_mapping,
+            "block_tables": step.meta.block_tables}
+
+
+STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "block_tables")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineParts:
+    """The replaceable parts of `LLM` (see the module docstring); each defaults to labkit's own."""
+
+    top_k_filter: Callable = labkit_top_k_filter
+    top_p_filter: Callable = labkit_top_p_filter
+    cached_prefix_blocks: Callable = labkit_cached_prefix_blocks
+    take_free_block: Callable = labkit_take_free_block
+    can_append: Callable = labkit_can_append
+    schedule_step: Callable = labkit_schedule_step
+    prepare_step: Callable = labkit_prepare_step
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if not callable(getattr(self, field.name)):
+                raise TypeError(f"engine part `{field.name}` must be callable, got {getattr(self, field.name)!r}")
+
+    def call(self, name: str, *args):
+        """Call part `name`; anything it raises comes back as a PartError naming it."""
+        try:
+            return getattr(self, name)(*args)
+        except PartError:
+            raise
+        except Exception as error:
+            raise PartError(name, f"raised {type(error).__name__}: {error}") from error
+
+
+class _NoStats:
+    evictions = 0
+
+
+class _StepSequence:
+    """What ModelRunner.prepare reads of a sequence."""
+
+    def __init__(self, token_ids, num_cached_tokens, block_table):
+        self.token_ids, self.num_cached_tokens, self.block_table = list(token_ids), num_cached_tokens, list(block_table)
+        self.num_tokens = len(self.token_ids)
+
+
+# --- the adapters: the engine's components, asking the parts ---------------------------------
+class PartsBlockManager(BlockManager):
+    """The BlockManager with its prefix lookup, free-block choice and append rule asked of the parts."""
+
+    def __init__(self, parts: EngineParts, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parts = parts
+
+    def prefix_hits(self, token_ids):
+        if not self.enable_prefix_caching:
+            return []
+        ids = self.parts.call("cached_prefix_blocks", list(token_ids), self.block_size, self.hash_to_block,
+                              self.blocks)
+        limit = (len(token_ids) - 1) // self.block_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < self.num_blocks for i in ids):
+            raise PartError("cached_prefix_blocks", f"must return a list of block ids in [0, {self.num_blocks}), "
+                                                    f"got {ids!r}")
+        if len(ids) > limit:
+            raise PartError("cached_prefix_blocks", f"returned {len(ids)} blocks for {len(token_ids)} tokens: at "
+                                                    f"most {limit} full blocks before the last token can hit")
+        return [self.blocks[i] for i in ids]
+
+    def _take_free_block(self) -> int:
+        evicting = not self._free_uncached
+        if not self.num_free_blocks:
+            raise PartError("take_free_block", "called with no free block (an engine bug)")
+        block_id = self.parts.call("take_free_block", self._free_uncached, self._free_cached, self.hash_to_block,
+                                   self.blocks)
+        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+            raise PartError("take_free_block", f"must return a block id in [0, {self.num_blocks}), got {block_id!r}")
+        if block_id in self._free_uncached or block_id in self._free_cached:
+            raise PartError("take_free_block", f"block {block_id} is still in a free list after it was taken")
+        if self.blocks[block_id].ref_count != 1:
+            raise PartError("take_free_block", f"block {block_id} has ref_count {self.blocks[block_id].ref_count} "
+                                               "after it was taken; its new owner makes it 1")
+        self.stats.evictions += evicting
+        return block_id
+
+    def can_append(self, seq) -> bool:
+        # A copy-on-write copy of a shared partial block takes one free block more.
+        free = self.num_free_blocks - (self._shared_write_block(seq) is not None)
+        self._missing_blocks(seq)  # its checks: the sequence holds blocks, no tokens were removed
+        answer = self.parts.call("can_append", len(seq.token_ids), len(seq.block_table), self.block_size, free)
+        if not isinstance(answer, bool):
+            raise PartError("can_append", f"must return True or False, got {answer!r}")
+        if answer != super().can_append(seq):  # either way the engine would break: no slot, or a needless preemption
+            raise PartError("can_append", f"answered {answer} for {len(seq.token_ids)} tokens in "
+                                          f"{len(seq.block_table)} blocks of {self.block_size} with {free} free")
+        return answer
+
+    # All or nothing: a part failing halfway leaves the pool as it was.
+    @contextmanager
+    def _unchanged_on_error(self):
+        saved = (copy.copy(self.blocks), [dataclasses.replace(b) for b in self.blocks], copy.copy(self._free_uncached),
+                 copy.copy(self._free_cached), dict(self.hash_to_block), dataclasses.replace(self.stats))
+        try:
+            yield
+        except BaseException:
+            objects, states, free_uncached, free_cached, hash_to_block, stats = saved
+            for block, state in zip(objects, states, strict=True):
+                block.__dict__.update(state.__dict__)
+            self.blocks[:] = objects
+            self._free_uncached.clear()
+            self._free_uncached.extend(free_uncached)
+            self._free_cached.clear()
+            self._free_cached.update(free_cached)
+            self.hash_to_block.clear()
+            self.hash_to_block.update(hash_to_block)
+            self.stats = stats
+            raise
+
+    def allocate(self, seq, use_prefix_cache: bool = True) -> None:
+        with self._unchanged_on_error():
+            super().allocate(seq, use_prefix_cache)
+
+    def append(self, seq, storage=None):
+        with self._unchanged_on_error():
+            return super().append(seq, storage)
+
+    def swap_in(self, seq, storage) -> None:
+        with self._unchanged_on_error():
+            super().swap_in(seq, storage)
+
+
+class PartsScheduler(Scheduler):
+    """The Scheduler with admission (step 3) decided by the `schedule_step` part."""
+
+    def __init__(self, parts: EngineParts, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parts = parts
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting or budget <= 0:
+            return
+        bm = self.block_manager
+        # This step's decodes are the `running` the exercise plans first, one token each.
+        decodes = [seq for seq, n in zip(out.seqs, out.num_new_tokens, strict=True) if not seq.is_prefill and n == 1]
+        ids = {f"seq{seq.seq_id}": seq for seq in self.waiting}
+        waiting = []
+        for name, seq in ids.items():
+            use_cache = self.uses_prefix_cache(seq)
+            hits = bm.prefix_hits(seq.token_ids) if use_cache else []
+            cached = min(len(hits) * bm.block_size, seq.num_tokens - 1)
+            to_compute = seq.num_tokens - cached
+            if self.config.long_prefill_token_threshold > 0:  # vLLM's cap on one request's prefill per step
+                to_compute = min(to_compute, self.config.long_prefill_token_threshold)
+            priority = -self.order(seq)[0]
+            waiting.append(Request(name, priority, seq.arrival_order, to_compute,
+                                   bm._blocks_to_take(seq.token_ids, hits)))
+        running = [f"seq{seq.seq_id}" for seq in decodes]
+        seats = self.config.max_num_seqs - len(self.running) + len(decodes)
+        plan = self.parts.call("schedule_step", running, waiting, budget + len(decodes), seats,
+                               bm.num_free_blocks)
+        if not isinstance(plan, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in plan):
+            raise PartError("schedule_step", f"must return a list of (request id, tokens) pairs, got {plan!r}")
+        if plan[:len(running)] != [(rid, 1) for rid in running]:
+            raise PartError("schedule_step", f"the plan must start with the running requests {running}, one token "
+                                             f"each; got {plan[:len(running)]}")
+        wanted = {r.id: r.prompt_len for r in waiting}
+        for rid, n in plan[len(running):]:
+            seq = ids.get(rid)
+            if seq is None or seq not in self.waiting:
+                raise PartError("schedule_step", f"admitted {rid!r}, which is not a waiting request (or twice)")
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= min(budget, wanted[rid]):
+                raise PartError("schedule_step", f"gave {rid!r} {n!r} tokens; it has {wanted[rid]} to compute "
+                                                 f"and {budget} tokens of budget are left")
+            if len(self.running) >= self.config.max_num_seqs:
+                raise PartError("schedule_step", f"admitted {rid!r} past max_num_seqs={self.config.max_num_seqs}")
+            if not bm.can_allocate(seq, self.uses_prefix_cache(seq)):
+                raise PartError("schedule_step", f"admitted {rid!r}, whose blocks do not fit the free pool")
+            if not self.config.enable_chunked_prefill and n < wanted[rid]:
+                raise PartError("schedule_step", f"cut {rid!r}'s prompt to {n} tokens, but chunked prefill is off")
+            budget -= self._admit(seq, n, out)
+
+
+class PartsModelRunner(ModelRunner):
+    """The ModelRunner with the step's tensors built by the `prepare_step` part."""
+
+    def __init__(self, parts: EngineParts, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parts = parts
+        self.sampler = PartsSampler(parts)
+
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
+        step = self.parts.call("prepare_step", [list(seq.token_ids) for seq in seqs],
+                               [seq.num_cached_tokens for seq in seqs], list(num_new_tokens),
+                               [list(seq.block_table) for seq in seqs], self.block_size)
+        tensors = _check_step(step, seqs, num_new_tokens, self.storage.num_blocks * self.block_size)
+        return self.step_inputs(seqs, *tensors)
+
+
+def _check_step(step, seqs, num_new_tokens, num_slots: int) -> list[torch.Tensor]:
+    """The part's tensors in labkit's dtypes, after checking what a wrong step would break on."""
+    if not isinstance(step, dict) or set(step) != set(STEP_KEYS):
+        got = sorted(step) if isinstance(step, dict) else type(step).__name__
+        raise PartError("prepare_step", f"must return a dict with keys {list(STEP_KEYS)}, got {got}")
+    for key in STEP_KEYS:
+        value = step[key]
+        if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
+            raise PartError("prepare_step", f"{key} must be an integer tensor, got {value!r}")
+    total, batch = sum(num_new_tokens), len(seqs)
+    shapes = {"input_ids": (total,), "positions": (total,), "cu_seqlens_q": (batch + 1,),
+              "cu_seqlens_k": (batch + 1,), "slot_mapping": (total,)}
+    for key, shape in shapes.items():
+        if tuple(step[key].shape) != shape:
+            raise PartError("prepare_step", f"{key} must have shape {shape} for {batch} sequences and {total} new "
+                                            f"tokens, got {tuple(step[key].shape)}")
+    tables = step["block_tables"]
+    if tables.dim() != 2 or tables.shape[0] != batch or tables.shape[1] < max(len(s.block_table) for s in seqs):
+        raise PartError("prepare_step", f"block_tables must be [{batch}, longest block table], "
+                                        f"got {tuple(tables.shape)}")
+    cu_q, cu_k = step["cu_seqlens_q"], step["cu_seqlens_k"]
+    if cu_q.diff().tolist() != list(num_new_tokens) or int(cu_q[0]) != 0:
+        raise PartError("prepare_step", f"cu_seqlens_q {cu_q.tolist()} must be the running sum of the new tokens "
+                                        f"{list(num_new_tokens)}, from 0")
+    if int(cu_k[0]) != 0 or (cu_k.diff() < cu_q.diff()).any():
+        raise PartError("prepare_step", f"cu_seqlens_k {cu_k.tolist()} must be the running sum of each sequence's "
+                                        "context length (cached + new tokens), from 0")
+    if any(end > seq.num_tokens for end, seq in zip(cu_k.diff().tolist(), seqs, strict=True)):
+        raise PartError("prepare_step", f"cu_seqlens_k {cu_k.tolist()} counts more tokens than a sequence holds")
+    slots = step["slot_mapping"]
+    if len(slots) and (slots.min() < 0 or slots.max() >= num_slots):
+        raise PartError("prepare_step", f"slot_mapping {slots.tolist()} has slots outside the cache's "
+                                        f"[0, {num_slots})")
+    return [*(step[key].to(torch.int64) for key in STEP_KEYS[:5]), tables.to(torch.int32)]
+
+
+class PartsSampler(Sampler):
+    """The Sampler with top-k and top-p asked of the parts, one call per distinct setting."""
+
+    def __init__(self, parts: EngineParts):
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
+        logits = apply_temperature(logits, temperature)
+        logits = self._per_setting(logits, "top_k_filter", metadata.top_k, lambda k: k > 0, int)
+        logits = self._per_setting(logits, "top_p_filter", metadata.top_p, lambda p: p < 1, float)
+        if (metadata.min_p > 0).any():
+            logits = apply_min_p(logits, metadata.min_p)
+        return logits
+
+    def _per_setting(self, logits, part: str, settings: torch.Tensor, enabled, cast) -> torch.Tensor:
+        result = logits.clone()
+        for value in sorted(set(settings.tolist())):
+            if not enabled(value):
+                continue
+            rows = (settings == value).nonzero().flatten()
+            given = logits[rows]
+            filtered = self.parts.call(part, given.clone(), cast(value))
+            if not isinstance(filtered, torch.Tensor) or filtered.shape != given.shape:
+                shape = tuple(filtered.shape) if isinstance(filtered, torch.Tensor) else type(filtered).__name__
+                raise PartError(part, f"must return a tensor of shape {tuple(given.shape)}, got {shape}")
+            if not torch.isfinite(filtered).any(-1).all():
+                raise PartError(part, "removed every token of a row: the most likely one must stay")
+            result[rows] = filtered.to(result.dtype)
+        return result
