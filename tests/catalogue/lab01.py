@@ -8,18 +8,44 @@ from labkit.tokenizer import apply_merges, merge_pair, pair_counts, pretokenize,
 
 # ---- correct answers, in different styles
 
-def pair_counts_dict(ids):
+def pair_counts_dict(pieces):
+    """dict.get over itertools.pairwise, piece by piece."""
     counts = {}
-    for pair in pairwise(ids):
-        counts[pair] = counts.get(pair, 0) + 1
+    for piece, freq in pieces.items():
+        for pair in pairwise(piece):
+            counts[pair] = counts.get(pair, 0) + freq
     return counts
 
 
-def pair_counts_indexed(ids):
+def pair_counts_indexed(pieces):
+    """An index loop into a defaultdict."""
     counts = defaultdict(int)
-    for i in range(len(ids) - 1):
-        counts[ids[i], ids[i + 1]] += 1
-    return dict(counts)
+    for piece, freq in pieces.items():
+        for i in range(len(piece) - 1):
+            counts[piece[i], piece[i + 1]] += freq
+    return counts
+
+
+def pair_counts_scaled(pieces):
+    """Counter per piece, scaled by its frequency, then summed."""
+    total = Counter()
+    for piece, freq in pieces.items():
+        total.update({pair: n * freq for pair, n in Counter(zip(piece, piece[1:], strict=False)).items()})
+    return total
+
+
+def pair_counts_with(pieces, *, pairs_of=pairwise, weighted=True):
+    """Weighted counts where `pairs_of(piece)` lists a piece's pairs; the switches make typical mistakes."""
+    counts = Counter()
+    for piece, freq in pieces.items():
+        for pair in pairs_of(piece):
+            counts[pair] += freq if weighted else 1
+    return counts
+
+
+def pair_counts_concatenated(pieces):
+    """Every occurrence of every piece laid end to end: pairs span the pieces."""
+    return Counter(pairwise([i for piece, freq in pieces.items() for _ in range(freq) for i in piece]))
 
 
 def merge_while(ids, pair, new_id):
@@ -115,7 +141,7 @@ def seed_style_training(text, num_merges):
 def train_on_raw_bytes(text, num_merges):
     ids, merges = list(text.encode()), {}
     for step in range(num_merges):
-        counts = pair_counts_dict(ids)
+        counts = Counter(pairwise(ids))
         pair = min(counts, key=lambda p: (-counts[p], p))
         merges[pair] = 256 + step
         ids = merge_while(ids, pair, 256 + step)
@@ -147,7 +173,7 @@ def encode_by_frequency(text, merges):
     for piece in pretokenize(text):
         ids = list(piece.encode())
         while True:
-            counts = Counter({p: c for p, c in pair_counts_dict(ids).items() if p in merges})
+            counts = Counter({p: c for p, c in Counter(pairwise(ids)).items() if p in merges})
             if not counts:
                 break
             pair = counts.most_common(1)[0][0]
@@ -217,31 +243,36 @@ def train_one_merge_short(text, num_merges):
 RIGHT = [
     Right("get_pair_counts", "dict.get over itertools.pairwise", pair_counts_dict),
     Right("get_pair_counts", "index loop into a defaultdict", pair_counts_indexed),
-    Right("get_pair_counts", "Counter of zip(ids, ids[1:])", lambda ids: Counter(zip(ids, ids[1:], strict=False))),
+    Right("get_pair_counts", "Counter per piece, scaled by its frequency", pair_counts_scaled),
     Right("merge", "while loop with an index", merge_while),
     Right("merge", "for loop with a skip flag", merge_skip_flag),
     Right("train_bpe", "recount every piece after each merge", train_recount),
     Right("train_bpe", "count distinct words once, weighted by frequency", train_by_word_counts),
-    Right("encode", "repeatedly merge the lowest-ranked pair", encode_lowest_rank),
-    Right("encode", "apply every merge in learned order to each piece", encode_in_learned_order),
+    Right("bpe_encode", "repeatedly merge the lowest-ranked pair", encode_lowest_rank),
+    Right("bpe_encode", "apply every merge in learned order to each piece", encode_in_learned_order),
 ]
 
 WRONG = [
-    Wrong("get_pair_counts", "skips the last pair", lambda ids: Counter(pairwise(ids[:-1])),
-          "the last pair is missing"),
-    Wrong("get_pair_counts", "counts single ids, not pairs", lambda ids: Counter(ids), "keys must be pairs"),
-    Wrong("get_pair_counts", "returns a list of pairs", lambda ids: list(pairwise(ids)), "return a dict"),
-    Wrong("get_pair_counts", "non-overlapping pairs (stepping by 2)",
-          lambda ids: Counter(zip(ids[::2], ids[1::2], strict=False)), "without overlap"),
-    Wrong("get_pair_counts", "a set of pairs, each counted once", lambda ids: dict.fromkeys(pairwise(ids), 1),
-          "every pair got count 1"),
-    Wrong("get_pair_counts", "pairs stored reversed", lambda ids: Counter((b, a) for a, b in pairwise(ids)),
-          "pairs are reversed"),
-    Wrong("get_pair_counts", "wraps around from the last id to the first",
-          lambda ids: Counter(zip(ids, ids[1:] + ids[:1], strict=False)), "for ids="),
-    Wrong("get_pair_counts", "hard-codes the notebook's example", lambda ids: {(1, 2): 2, (2, 3): 1, (3, 1): 1},
-          "for ids=[] expected {}"),
-    Wrong("get_pair_counts", "calls labkit's pair_counts", lambda ids: pair_counts(ids), "`pair_counts`",
+    Wrong("get_pair_counts", "ignores the frequencies", lambda pieces: pair_counts_with(pieces, weighted=False),
+          "each distinct piece was counted once"),
+    Wrong("get_pair_counts", "pairs across piece boundaries", pair_counts_concatenated, "counted across pieces"),
+    Wrong("get_pair_counts", "a set of pairs per piece", lambda pieces: pair_counts_with(
+        pieces, pairs_of=lambda p: set(pairwise(p))), "was counted once: (5, 5, 5) holds (5, 5)"),
+    Wrong("get_pair_counts", "skips the last pair", lambda pieces: pair_counts_with(
+        pieces, pairs_of=lambda p: list(pairwise(p))[:-1]), "the last pair of each piece is missing"),
+    Wrong("get_pair_counts", "non-overlapping pairs (stepping by 2)", lambda pieces: pair_counts_with(
+        pieces, pairs_of=lambda p: zip(p[::2], p[1::2], strict=False)), "without overlap"),
+    Wrong("get_pair_counts", "pairs stored reversed", lambda pieces: pair_counts_with(
+        pieces, pairs_of=lambda p: [(b, a) for a, b in pairwise(p)]), "pairs are reversed"),
+    Wrong("get_pair_counts", "counts single ids, not pairs", lambda pieces: Counter(
+        i for piece in pieces for i in piece), "keys must be pairs"),
+    Wrong("get_pair_counts", "returns a list of pairs", lambda pieces: [q for p in pieces for q in pairwise(p)],
+          "return a dict"),
+    Wrong("get_pair_counts", "pops the pieces while counting", lambda pieces: pair_counts_dict(
+        {p: pieces.pop(p) for p in list(pieces)}), "changed the pieces"),
+    Wrong("get_pair_counts", "calls labkit's pair_counts", lambda pieces: sum(
+        (Counter({q: n * f for q, n in pair_counts(list(p)).items()}) for p, f in pieces.items()), Counter()),
+          "`pair_counts`",
           calls="labkit.tokenizer.pair_counts"),
     Wrong("merge", "mutates the input list", merge_in_place, "changed the list it was given"),
     Wrong("merge", "merges only the first occurrence", merge_first_only, "only the first occurrence was merged"),
@@ -260,13 +291,16 @@ WRONG = [
     Wrong("train_bpe", "one merge too few", train_one_merge_short, "asked for 40 merges, got 39"),
     Wrong("train_bpe", "calls labkit's train", lambda text, n: {p: 256 + i for i, p in enumerate(
         train(text, 256 + n).merges)}, "`train`", calls="labkit.tokenizer.train"),
-    Wrong("encode", "returns the raw UTF-8 bytes", lambda text, merges: list(text.encode()), "no merge was applied"),
-    Wrong("encode", "merges across pretokenized pieces", encode_all_text_at_once, "applied across piece boundaries"),
-    Wrong("encode", "picks the most frequent pair, not the earliest merge", encode_by_frequency,
+    Wrong("bpe_encode", "returns the raw UTF-8 bytes", lambda text, merges: list(text.encode()),
+          "no merge was applied"),
+    Wrong("bpe_encode", "merges across pretokenized pieces", encode_all_text_at_once,
+          "applied across piece boundaries"),
+    Wrong("bpe_encode", "picks the most frequent pair, not the earliest merge", encode_by_frequency,
           "earliest-learned merge first"),
-    Wrong("encode", "applies the latest merges first", encode_latest_first, "latest-learned merges were applied first"),
-    Wrong("encode", "returns the decoded string", lambda text, merges: text, "return a list of ids"),
-    Wrong("encode", "calls labkit's apply_merges", lambda text, merges: [i for piece in pretokenize(text) for i in
+    Wrong("bpe_encode", "applies the latest merges first", encode_latest_first,
+          "latest-learned merges were applied first"),
+    Wrong("bpe_encode", "returns the decoded string", lambda text, merges: text, "return a list of ids"),
+    Wrong("bpe_encode", "calls labkit's apply_merges", lambda text, merges: [i for piece in pretokenize(text) for i in
           apply_merges(list(piece.encode()), {p: (n - 256, n) for p, n in merges.items()})],
           "`apply_merges`", calls="labkit.tokenizer.apply_merges"),
 ]

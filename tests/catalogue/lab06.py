@@ -5,23 +5,47 @@ import random
 import torch
 
 from catalogue import Right, Wrong
+from labkit.sampling import apply_penalties as labkit_penalties
 from labkit.sampling import filter_logits
 
 NEG_INF = float("-inf")
 
 
-def temperature_scatter(logits, temperature):
-    if temperature == 0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return (logits / temperature).softmax(-1)
+def temperature_where(logits, temperatures):
+    """Vectorized: divide every row by its own T (1 where T = 0, to avoid 0/0), then pick per row."""
+    greedy = (temperatures == 0)[:, None]
+    probs = (logits / torch.where(greedy, 1.0, temperatures[:, None])).softmax(-1)
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
 
 
-def temperature_one_hot(logits, temperature):
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    scaled = logits / temperature
-    e = (scaled - scaled.amax(-1, keepdim=True)).exp()
-    return e / e.sum(-1, keepdim=True)
+def temperature_rows(logits, temperatures):
+    """A loop over rows, with F.one_hot and a hand-written stable softmax."""
+    rows = []
+    for row, t in zip(logits, temperatures.tolist(), strict=True):
+        if t == 0:
+            rows.append(torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).to(row.dtype))
+        else:
+            e = (row / t - (row / t).max()).exp()
+            rows.append(e / e.sum())
+    return torch.stack(rows)
+
+
+def temperature_any_greedy(logits, temperatures):
+    """One T = 0 request makes the whole batch greedy."""
+    if (temperatures == 0).any():
+        return temperature_where(logits, torch.zeros_like(temperatures))
+    return (logits / temperatures[:, None]).softmax(-1)
+
+
+def in_place_temperature(logits, temperatures):
+    return logits.div_(temperatures[:, None]).softmax(-1)
+
+
+def temperature_ignores_greedy_rows(logits, temperatures):
+    """Divides by T everywhere, then patches 0/0 to a uniform row instead of the argmax."""
+    probs = (logits / temperatures[:, None]).softmax(-1)
+    return torch.where(torch.isnan(probs), 1.0 / logits.shape[-1], probs)
 
 
 def top_k_threshold(logits, k):
@@ -84,10 +108,6 @@ def in_place_top_k(logits, k):
     return logits
 
 
-def in_place_temperature(logits, temperature):
-    return logits.div_(temperature).softmax(-1)
-
-
 def top_p_dropping_the_crossing_token(x, p):
     s, o = x.sort(-1, descending=True)
     over = s.softmax(-1).cumsum(-1) > p
@@ -101,9 +121,48 @@ def in_place_sample(logits, temperature, generator):
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
+def penalties_loop(logits, prompt_ids, output_ids, repetition, presence, frequency, *, divide_negative=False,
+                   every_occurrence=False, output_only=False, prompt_counts=False, presence_once=False,
+                   add_presence=False, first_row=False):
+    """Row by row, token by token; the switches make typical mistakes."""
+    out = logits.clone()
+    for b, (prompt, output) in enumerate(zip(prompt_ids, output_ids, strict=True)):
+        r = 0 if first_row else b
+        seen = output if output_only else prompt + output
+        for token in (seen if every_occurrence else set(seen)):
+            if out[b, token] > 0 or divide_negative:
+                out[b, token] /= repetition[r]
+            else:
+                out[b, token] *= repetition[r]
+        counted = prompt + output if prompt_counts else output
+        for token in set(counted):
+            out[b, token] -= frequency[r] * (1 if presence_once else counted.count(token))
+            out[b, token] += presence[r] if add_presence else -presence[r]
+    return out
+
+
+def penalties_in_place(logits, *args):
+    return logits.copy_(penalties_loop(logits, *args))
+
+
+def penalties_scatter(logits, prompt_ids, output_ids, repetition, presence, frequency):
+    """Vectorized: per-row token counts by scatter_add, then torch.where on the sign."""
+    batch, vocab = logits.shape
+    seen = torch.zeros(batch, vocab, dtype=torch.bool)
+    counts = torch.zeros(batch, vocab)
+    for b in range(batch):
+        seen[b, prompt_ids[b] + output_ids[b]] = True
+        counts[b].scatter_add_(0, torch.tensor(output_ids[b], dtype=torch.long), torch.ones(len(output_ids[b])))
+    rep = torch.tensor(repetition)[:, None]
+    out = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return out - torch.tensor(frequency)[:, None] * counts - torch.tensor(presence)[:, None] * (counts > 0)
+
+
 RIGHT = [
-    Right("temperature_probs", "scatter a one-hot for T = 0", temperature_scatter),
-    Right("temperature_probs", "F.one_hot and a hand-written stable softmax", temperature_one_hot),
+    Right("temperature_probs", "vectorized: torch.where per row", temperature_where),
+    Right("temperature_probs", "loop over rows, F.one_hot and a hand-written softmax", temperature_rows),
+    Right("apply_penalties", "loops over rows and distinct tokens", penalties_loop),
+    Right("apply_penalties", "vectorized: scatter_add counts and torch.where", penalties_scatter),
     Right("top_k_filter", "topk threshold and masked_fill", top_k_threshold),
     Right("top_k_filter", "sort and torch.where", top_k_sorted),
     Right("top_p_filter", "sorted cumulative sum scattered back", top_p_scatter),
@@ -113,23 +172,46 @@ RIGHT = [
 ]
 
 WRONG = [
-    Wrong("temperature_probs", "multiplies by the temperature", lambda x, t: (x * t).softmax(-1),
+    Wrong("temperature_probs", "divides the columns (temperatures[None, :])",
+          lambda x, t: (x / t[None, :]).softmax(-1), "divided the columns"),
+    Wrong("temperature_probs", "the first row's temperature for all",
+          lambda x, t: temperature_where(x, t[:1].expand_as(t)),
+          "first row's temperature"),
+    Wrong("temperature_probs", "multiplies by the temperature", lambda x, t: temperature_where(x * t[:, None] ** 2, t),
           "multiplied the logits by the temperature"),
     Wrong("temperature_probs", "ignores the temperature", lambda x, t: x.softmax(-1), "the temperature has no effect"),
-    Wrong("temperature_probs", "softmax over the batch axis", lambda x, t: (x / t).softmax(0),
-          "each row must be a probability distribution"),
-    Wrong("temperature_probs", "divides the probabilities, not the logits", lambda x, t: x.softmax(-1) / t,
+    Wrong("temperature_probs", "divides the probabilities, not the logits", lambda x, t: x.softmax(-1) / t[:, None],
           "the probabilities were divided by the temperature"),
-    Wrong("temperature_probs", "returns scaled logits, no softmax", lambda x, t: x / t if t else x,
-          "each row must be a probability distribution"),
-    Wrong("temperature_probs", "T = 0 gives NaN", lambda x, t: (x / t).softmax(-1), "temperature 0 gives NaN"),
-    Wrong("temperature_probs", "T = 0 raises", lambda x, t: (x / torch.tensor(t).item()).softmax(-1) if t else 1 / 0,
-          "temperature 0 raised ZeroDivisionError"),
-    Wrong("temperature_probs", "T = 0 spread uniformly", lambda x, t: (x / t).softmax(-1) if t else
-          torch.full_like(x, 1 / x.shape[-1]), "probability 1 on the argmax"),
-    Wrong("temperature_probs", "divides the input in place", in_place_temperature, "changed its input logits in place"),
-    Wrong("temperature_probs", "calls labkit's filter_logits", lambda x, t: filter_logits(x, temperature=t).softmax(-1),
+    Wrong("temperature_probs", "T = 0 gives NaN", lambda x, t: (x / t[:, None]).softmax(-1), "gives NaN"),
+    Wrong("temperature_probs", "T = 0 rows spread uniformly", temperature_ignores_greedy_rows,
+          "the T = 0 rows are not"),
+    Wrong("temperature_probs", "one T = 0 request makes the batch greedy", temperature_any_greedy,
+          "every row became greedy"),
+    Wrong("temperature_probs", "a scalar temperature only", lambda x, t: (x / float(t)).softmax(-1),
+          "one value per row"),
+    Wrong("temperature_probs", "divides the input in place", in_place_temperature,
+          "changed its input logits in place"),
+    Wrong("temperature_probs", "calls labkit's filter_logits",
+          lambda x, t: filter_logits(x, temperature=float(t[0])).softmax(-1),
           "`filter_logits`", calls="labkit.sampling.filter_logits"),
+    Wrong("apply_penalties", "divides negative logits too", lambda *a: penalties_loop(*a, divide_negative=True),
+          "makes the token MORE likely"),
+    Wrong("apply_penalties", "repetition once per occurrence", lambda *a: penalties_loop(*a, every_occurrence=True),
+          "once per occurrence"),
+    Wrong("apply_penalties", "repetition over the output only", lambda *a: penalties_loop(*a, output_only=True),
+          "prompt's tokens escaped"),
+    Wrong("apply_penalties", "presence/frequency count the prompt", lambda *a: penalties_loop(*a, prompt_counts=True),
+          "count only generated"),
+    Wrong("apply_penalties", "frequency once per token", lambda *a: penalties_loop(*a, presence_once=True),
+          "once per occurrence (times the count)"),
+    Wrong("apply_penalties", "adds the presence penalty", lambda *a: penalties_loop(*a, add_presence=True),
+          "presence_penalty was added"),
+    Wrong("apply_penalties", "first row's penalties everywhere", lambda *a: penalties_loop(*a, first_row=True),
+          "first row's penalties"),
+    Wrong("apply_penalties", "penalizes in place", penalties_in_place, "changed its input logits in place"),
+    Wrong("apply_penalties", "calls labkit's apply_penalties", lambda logits, p, o, r, pr, f: labkit_penalties(
+        logits, *(torch.tensor([x + [-1] * (9 - len(x)) for x in rows]) for rows in (p, o)),
+        *(torch.tensor(v) for v in (r, pr, f))), "`apply_penalties`", calls="labkit.sampling.apply_penalties"),
     Wrong("top_k_filter", "removed logits set to 0",
           lambda x, k: x.masked_fill(x < x.topk(k, -1).values[..., -1:], 0.0),
           "set them to -inf"),

@@ -126,29 +126,43 @@ class ManagerAllocator:
 # ---- calculate_memory_savings
 
 
-def savings(num_sequences, avg_length, max_length, block_size, memory_per_token, **mistake):
-    traditional = num_sequences * max_length * memory_per_token
-    if mistake.get("avg_for_traditional"):
-        traditional = num_sequences * avg_length * memory_per_token
-    paged = num_sequences * math.ceil(avg_length / block_size) * block_size * memory_per_token
-    if mistake.get("unrounded"):
-        paged = num_sequences * avg_length * memory_per_token
-    used = num_sequences * avg_length * memory_per_token
+def savings(lengths, max_length, block_size, memory_per_token, *, rounding="each", check=True, **mistake):
+    """Totals first; `rounding` and the switches make typical mistakes."""
+    if check:
+        for n in lengths:
+            if not 1 <= n <= max_length:
+                raise ValueError(f"a sequence of {n} tokens does not fit 1..{max_length}")
+    count, tokens = len(lengths), sum(lengths)
+    slots = {"each": sum(-(-n // block_size) * block_size for n in lengths), "tokens": tokens,
+             "average": count * math.ceil(tokens / count / block_size) * block_size,
+             "pooled": math.ceil(tokens / block_size) * block_size,
+             "floor": sum(n // block_size * block_size for n in lengths)}[rounding]
+    traditional, paged, used = (x * memory_per_token for x in (count * max_length, slots, tokens))
     percent = 100 * (traditional - paged) / (paged if mistake.get("relative_to_paged") else traditional)
-    return {"traditional_memory": traditional, "paged_memory": paged,
-            "savings_bytes": (paged - traditional) if mistake.get("sign") else traditional - paged,
+    return {"traditional_memory": traditional, "paged_memory": paged, "savings_bytes": traditional - paged,
             "savings_percent": percent / 100 if mistake.get("fraction") else percent,
             "utilization_traditional": used / traditional,
             "utilization_paged": paged / used if mistake.get("swapped") else used / paged}
 
 
-def savings_per_sequence(num_sequences, avg_length, max_length, block_size, memory_per_token):
-    blocks = (avg_length + block_size - 1) // block_size
-    per_seq_trad, per_seq_paged = max_length * memory_per_token, blocks * block_size * memory_per_token
-    trad, paged = num_sequences * per_seq_trad, num_sequences * per_seq_paged
-    return dict(traditional_memory=trad, paged_memory=paged, savings_bytes=trad - paged,
-                savings_percent=(1 - paged / trad) * 100, utilization_traditional=avg_length / max_length,
-                utilization_paged=avg_length / (blocks * block_size))
+def savings_per_sequence(lengths, max_length, block_size, memory_per_token):
+    """A loop that accumulates each sequence's reservation and its blocks."""
+    traditional = paged = used = 0
+    for n in lengths:
+        if n < 1 or n > max_length:
+            raise ValueError(f"length {n} is outside 1..{max_length} (max_length)")
+        traditional += max_length * memory_per_token
+        paged += math.ceil(n / block_size) * block_size * memory_per_token
+        used += n * memory_per_token
+    return dict(traditional_memory=traditional, paged_memory=paged, savings_bytes=traditional - paged,
+                savings_percent=(1 - paged / traditional) * 100, utilization_traditional=used / traditional,
+                utilization_paged=used / paged)
+
+
+def savings_vague_error(lengths, max_length, block_size, memory_per_token):
+    if any(not 1 <= n <= max_length for n in lengths):
+        raise ValueError("bad input")
+    return savings(lengths, max_length, block_size, memory_per_token, check=False)
 
 
 # ---- gather_kv_from_blocks
@@ -227,7 +241,7 @@ RIGHT = [
     Right("SimpleBlockAllocator", "free list, ceil by negative floor division", Allocator),
     Right("SimpleBlockAllocator", "free set, math.ceil, token counts", SetAllocator),
     Right("calculate_memory_savings", "totals first", savings),
-    Right("calculate_memory_savings", "per sequence, then scaled", savings_per_sequence),
+    Right("calculate_memory_savings", "loop accumulating per sequence", savings_per_sequence),
     Right("gather_kv_from_blocks", "vectorised block indexing", gather),
     Right("gather_kv_from_blocks", "token by token", gather_token_by_token),
     Right("online_softmax_attention", "vectorised over heads", online),
@@ -249,22 +263,24 @@ WRONG = [
           "`_take_free_block`", calls="labkit.cache.block_manager.BlockManager._take_free_block"),
     Wrong("calculate_memory_savings", "imports the grader's reference", lambda **kw: _reference_savings(**kw),
           "`_reference_savings`", calls="labkit.grading.labs.lab07._reference_savings"),
-    Wrong("calculate_memory_savings", "paged memory not rounded to blocks", lambda **kw: savings(**kw, unrounded=True),
-          "round each sequence up"),
+    Wrong("calculate_memory_savings", "paged memory not rounded to blocks",
+          lambda **kw: savings(**kw, rounding="tokens"), "round each sequence up"),
+    Wrong("calculate_memory_savings", "rounds the average length once", lambda **kw: savings(**kw, rounding="average"),
+          "rounded the average length up"),
+    Wrong("calculate_memory_savings", "rounds the total, as if blocks were shared",
+          lambda **kw: savings(**kw, rounding="pooled"), "as if sequences shared blocks"),
+    Wrong("calculate_memory_savings", "floor instead of ceil", lambda **kw: savings(**kw, rounding="floor"),
+          "ceil, not floor"),
     Wrong("calculate_memory_savings", "percent of the paged memory", lambda **kw: savings(**kw, relative_to_paged=True),
           "relative to the paged"),
     Wrong("calculate_memory_savings", "savings as a fraction", lambda **kw: savings(**kw, fraction=True),
           "percent means 0..100"),
-    Wrong("calculate_memory_savings", "savings with the wrong sign", lambda **kw: savings(**kw, sign=True),
-          "savings_bytes should be"),
     Wrong("calculate_memory_savings", "paged utilization inverted", lambda **kw: savings(**kw, swapped=True),
           "utilization_paged should be"),
-    Wrong("calculate_memory_savings", "traditional sized by the average", lambda **kw: savings(
-        **kw, avg_for_traditional=True), "traditional_memory should be"),
+    Wrong("calculate_memory_savings", "accepts a sequence longer than max_length",
+          lambda **kw: savings(**kw, check=False), "raise ValueError naming it"),
+    Wrong("calculate_memory_savings", "an error that names nothing", savings_vague_error, "should name the bad length"),
     Wrong("calculate_memory_savings", "missing keys", lambda **kw: {"paged_memory": 0}, "return a dict with keys"),
-    Wrong("calculate_memory_savings", "hard-coded the first scenario", lambda **kw: savings(
-        num_sequences=30, avg_length=1000, max_length=2048, block_size=16, memory_per_token=512),
-          "for {'num_sequences': 7"),
     Wrong("gather_kv_from_blocks", "kept every layer", lambda *a: gather(*a, mode="all_layers"), "layer dimension"),
     Wrong("gather_kv_from_blocks", "gathered K for V", lambda *a: gather(*a, mode="keys"), "gathered the keys"),
     Wrong("gather_kv_from_blocks", "whole blocks, not trimmed", lambda *a: gather(*a, mode="whole_blocks"),

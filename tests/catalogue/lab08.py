@@ -1,4 +1,4 @@
-"""Lab 08: Triton kernels that store K/V into slots and decode over paged blocks.
+"""Lab 08: Triton kernels — a tiled row softmax, the K/V store, paged decode and paged varlen prefill.
 
 The Triton answers run in the interpreter on a CPU; the other mistakes are written in torch, which the
 graders accept as readily (they grade values, not the language), to keep the catalogue fast.
@@ -9,12 +9,146 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from catalogue import Right, Wrong  # noqa: E402
 from labkit.attention.reference import paged_decode_attention  # noqa: E402
 from labkit.cache.paged_storage import store_kv  # noqa: E402
+
+
+@triton.jit
+def _softmax(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, TAIL: tl.constexpr, SHIFT: tl.constexpr,
+             ONE_TILE: tl.constexpr):
+    """Three passes over a row in tiles: max, sum of exp, write. The switches make typical mistakes."""
+    row = tl.program_id(0) * n_cols
+    cols = tl.arange(0, BLOCK)
+    last = BLOCK if ONE_TILE else n_cols  # ONE_TILE: treats the row as one tile of BLOCK lanes
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    for start in range(0, last, BLOCK):
+        m = tl.maximum(m, tl.max(tl.load(x_ptr + row + start + cols, mask=start + cols < n_cols, other=TAIL), 0))
+    if not SHIFT:
+        m = 0.0
+    total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    for start in range(0, last, BLOCK):
+        x = tl.load(x_ptr + row + start + cols, mask=start + cols < n_cols, other=TAIL)
+        total += tl.sum(tl.exp(x - m), 0)
+    for start in range(0, last, BLOCK):
+        mask = start + cols < n_cols
+        x = tl.load(x_ptr + row + start + cols, mask=mask, other=float("-inf"))
+        tl.store(out_ptr + row + start + cols, tl.exp(x - m) / total, mask=mask)
+
+
+def softmax_variant(tail=float("-inf"), shift=True, one_tile=False, block=128):
+    def softmax_rows(x):
+        out = torch.zeros_like(x)
+        _softmax[(x.shape[0],)](x.contiguous(), out, x.shape[1], BLOCK=block, TAIL=tail, SHIFT=shift,
+                                ONE_TILE=one_tile)
+        return out
+    return softmax_rows
+
+
+@triton.jit
+def _softmax_online(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    """Two passes: a running max and a sum rescaled whenever the max grows (Lab 07's online softmax)."""
+    row = tl.program_id(0) * n_cols
+    cols = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row + start + cols, mask=start + cols < n_cols, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        x = tl.load(x_ptr + row + start + cols, mask=mask, other=float("-inf"))
+        tl.store(out_ptr + row + start + cols, tl.exp(x - m) / total, mask=mask)
+
+
+def softmax_online(x):
+    out = torch.empty_like(x)
+    _softmax_online[(x.shape[0],)](x.contiguous(), out, x.shape[1], BLOCK=256)
+    return out
+
+
+def softmax_torch(x, *, dim=-1, divide=True):
+    """exp(x - max) / sum with torch reductions; the switches make typical mistakes."""
+    e = (x - x.amax(dim, keepdim=True)).exp()
+    return e / e.sum(dim, keepdim=True) if divide else e
+
+
+def softmax_tilewise(x, block=64):
+    """Each tile normalized by its own max and sum, as if tiles were separate rows."""
+    return torch.cat([softmax_torch(x[:, i:i + block]) for i in range(0, x.shape[1], block)], dim=1)
+
+
+@triton.jit
+def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr, scale, max_blocks,
+             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+             OFFSET: tl.constexpr):
+    seq, head, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
+    if i < q_len:
+        last = k_len - q_len + i if OFFSET else i  # OFFSET off: the causal diagonal from the top-left
+        kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+        d = tl.arange(0, HEAD_DIM)
+        j = tl.arange(0, BLOCK_SIZE)
+        q = tl.load(q_ptr + ((q_start + i) * NUM_HEADS + head) * HEAD_DIM + d)
+        m = tl.max(tl.full([BLOCK_SIZE], float("-inf"), tl.float32), 0)
+        denom = tl.sum(tl.zeros([BLOCK_SIZE], tl.float32), 0)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for b in range(0, last // BLOCK_SIZE + 1):
+            block = tl.load(block_tables_ptr + seq * max_blocks + b).to(tl.int64)
+            valid = b * BLOCK_SIZE + j <= last
+            rows = ((block * BLOCK_SIZE + j) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.where(valid, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            m = m_new
+        tl.store(out_ptr + ((q_start + i) * NUM_HEADS + head) * HEAD_DIM + d, acc / denom)
+
+
+def prefill_variant(offset=True):
+    def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+        out = torch.empty_like(q)
+        _prefill[(len(cu_seqlens_q) - 1, q.shape[1], max_seqlen_q)](
+            q.contiguous(), k_cache, v_cache, out, block_tables, cu_seqlens_q, cu_seqlens_k, q.shape[2] ** -0.5,
+            block_tables.shape[1], NUM_HEADS=q.shape[1], NUM_KV_HEADS=k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=q.shape[2], OFFSET=offset)
+        return out
+    return paged_prefill
+
+
+def prefill_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, causal=True,
+                  prefix=True, gqa_div=True, scale=True):
+    """Per sequence and row: gather the visible keys block by block, softmax, weighted sum of values."""
+    out = torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    heads = torch.arange(q.shape[1])
+    kv_heads = heads // group if gqa_div else heads % num_kv_heads
+    for s in range(len(cu_seqlens_q) - 1):
+        q0, q_len = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1] - cu_seqlens_q[s])
+        k_len = int(cu_seqlens_k[s + 1] - cu_seqlens_k[s])
+        for i in range(q_len):
+            last = k_len - q_len + i if causal else k_len - 1
+            first = k_len - q_len if not prefix else 0
+            slots = [int(block_tables[s, t // block_size]) * block_size + t % block_size
+                     for t in range(first, last + 1)]
+            keys = k_cache.flatten(0, 1)[slots][:, kv_heads]  # [n, H, D]
+            values = v_cache.flatten(0, 1)[slots][:, kv_heads]
+            scores = torch.einsum("hd,nhd->hn", q[q0 + i], keys) * (q.shape[-1] ** -0.5 if scale else 1.0)
+            out[q0 + i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    return out
 
 
 @triton.jit
@@ -125,6 +259,11 @@ def labkit_store(k, v, k_cache, v_cache, slot_mapping):
 
 
 RIGHT = [
+    Right("softmax_rows", "Triton, three passes over tiles (max, sum, write)", softmax_variant()),
+    Right("softmax_rows", "Triton, online max and rescaled sum, then write", softmax_online),
+    Right("softmax_rows", "torch reductions", softmax_torch),
+    Right("paged_prefill", "Triton, one program per (sequence, head, new token)", prefill_variant()),
+    Right("paged_prefill", "torch, gather the visible keys per row", prefill_torch),
     Right("store_kvcache", "Triton kernel, one program per token", store_variant()),
     Right("store_kvcache", "torch rows, one slot at a time", store_torch),
     Right("paged_decode", "Triton kernel with online softmax", decode_variant()),
@@ -132,6 +271,29 @@ RIGHT = [
 ]
 
 WRONG = [
+    Wrong("softmax_rows", "tail lanes load 0, not -inf (Triton)", softmax_variant(tail=0.0),
+          "included lanes past its end"),
+    Wrong("softmax_rows", "no max subtracted (Triton)", softmax_variant(shift=False), "exp overflowed"),
+    Wrong("softmax_rows", "one tile per row, no loop (Triton)", softmax_variant(one_tile=True),
+          "only the first 128 columns"),
+    Wrong("softmax_rows", "each tile normalized on its own", softmax_tilewise, "the whole row, every tile"),
+    Wrong("softmax_rows", "not divided by the sum", lambda x: softmax_torch(x, divide=False), "not divided"),
+    Wrong("softmax_rows", "normalized over the batch axis", lambda x: softmax_torch(x, dim=0), "wrong axis"),
+    Wrong("softmax_rows", "calls torch.softmax", lambda x: torch.softmax(x, -1), "`torch.softmax`",
+          calls="torch.softmax"),
+    Wrong("paged_prefill", "causal diagonal from the top-left (Triton)", prefill_variant(offset=False),
+          "as if the prompt started the context"),
+    Wrong("paged_prefill", "no causal mask", lambda *a: prefill_torch(*a, causal=False), "no causal mask"),
+    Wrong("paged_prefill", "cached prefix ignored", lambda *a: prefill_torch(*a, prefix=False),
+          "cached prefix was ignored"),
+    Wrong("paged_prefill", "GQA head by modulo", lambda *a: prefill_torch(*a, gqa_div=False), "h % num_kv_heads"),
+    Wrong("paged_prefill", "forgot the 1/sqrt(d) scale", lambda *a: prefill_torch(*a, scale=False), "not scaled"),
+    Wrong("paged_prefill", "returned [num_seqs, ...] (one row per sequence)", lambda *a: prefill_torch(*a)[:3],
+          "expected a [total_new_tokens"),
+    Wrong("paged_prefill", "calls torch's SDPA", lambda q, kc, vc, bt, cq, ck, mq: F.scaled_dot_product_attention(
+          q.transpose(0, 1), q.transpose(0, 1), q.transpose(0, 1)).transpose(0, 1),
+          "`torch.nn.functional.scaled_dot_product_attention`",
+          calls="torch.nn.functional.scaled_dot_product_attention"),
     Wrong("store_kvcache", "slot -1 not masked (Triton)", store_variant(mask_minus_one=False), "slot -1 was stored"),
     Wrong("store_kvcache", "stores only K (Triton)", store_variant(store_v=False), "store both"),
     Wrong("store_kvcache", "stores nothing", lambda k, v, k_cache, v_cache, slots: None, "stored nothing"),

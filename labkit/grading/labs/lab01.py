@@ -20,39 +20,69 @@ def _sample_text(start: int, size: int) -> str:
         return f.read()[start:start + size]
 
 
+def _weighted_pair_counts(pieces: dict[tuple[int, ...], int], *, weighted=True, span=False, step=1, last=True,
+                          reverse=False, once_per_piece=False) -> Counter:
+    """Pair counts over distinct pieces, each weighted by its frequency; the switches make typical mistakes."""
+    counts = Counter()
+    if span:  # one long sequence: pairs run across the pieces' boundaries
+        pieces = {tuple(i for piece, n in pieces.items() for _ in range(n) for i in piece): 1}
+    for piece, freq in pieces.items():
+        pairs = list(zip(piece[::step], piece[1::step], strict=False))
+        if not last:
+            pairs = pairs[:-1]
+        if once_per_piece:
+            pairs = list(dict.fromkeys(pairs))
+        for a, b in pairs:
+            counts[(b, a) if reverse else (a, b)] += freq if weighted else 1
+    return counts
+
+
 _PAIR_COUNT_MISTAKES = (
-    (lambda ids: pair_counts(ids[:-1]), "the last pair is missing: pairs run from (ids[0], ids[1]) to "
-                                        "(ids[-2], ids[-1])"),
-    (lambda ids: Counter(zip(ids[::2], ids[1::2], strict=False)),
-     "pairs were counted without overlap (stepping by 2): count every adjacent pair, so [5, 5, 5] holds "
-     "(5, 5) twice"),
-    (lambda ids: dict.fromkeys(pair_counts(ids), 1), "every pair got count 1: count how many times each occurs"),
-    (lambda ids: Counter((b, a) for a, b in zip(ids, ids[1:], strict=False)),
-     "pairs are reversed: the key is (ids[i], ids[i + 1]), in reading order"),
+    (dict(weighted=False), "each distinct piece was counted once: a piece that occurs n times adds n to each of "
+                           "its pairs (that is what the frequency is for)"),
+    (dict(span=True), "pairs were counted across pieces: a pair never spans two pieces, count inside each one"),
+    (dict(once_per_piece=True), "a pair that occurs twice in one piece was counted once: (5, 5, 5) holds (5, 5) "
+                                "twice, so it adds 2 x its frequency"),
+    (dict(last=False), "the last pair of each piece is missing: pairs run from (piece[0], piece[1]) to "
+                       "(piece[-2], piece[-1])"),
+    (dict(step=2), "pairs were counted without overlap (stepping by 2): count every adjacent pair, so (5, 5, 5) "
+                   "holds (5, 5) twice"),
+    (dict(reverse=True), "pairs are reversed: the key is (piece[i], piece[i + 1]), in reading order"),
 )
+
+
+def _piece_cases() -> list[dict[tuple[int, ...], int]]:
+    rng = random.Random(1)
+    random_pieces = [{tuple(_random_ids(rng, rng.randrange(1, 7))): rng.randrange(1, 5) for _ in range(n)}
+                     for n in (3, 8, 20)]
+    return [{}, {(7,): 3}, {(5, 5, 5): 1}, {(5, 5, 5): 2, (1, 2): 4, (2, 1, 2): 1}, {(1, 2): 3, (3, 1): 2},
+            *random_pieces]
 
 
 @exercise("01", "get_pair_counts", forbidden=("labkit.tokenizer.pair_counts", "labkit.tokenizer.bpe.pair_counts"))
 def get_pair_counts(ns):
     fn = require(ns, "get_pair_counts")
-    rng = random.Random(1)
-    cases = [[], [7], [5, 5, 5], *(_random_ids(rng, n) for n in (2, 9, 30))]
+    cases = _piece_cases()
     answers = []
-    for ids in cases:
-        got = fn(list(ids))
+    for pieces in cases:
+        given = dict(pieces)
+        got = fn(given)
+        if given != pieces:
+            raise ExerciseFailed("get_pair_counts changed the pieces it was given: count, don't modify")
         if not isinstance(got, dict):
             raise ExerciseFailed(f"return a dict {{(a, b): count}}, got a {type(got).__name__}")
         got = {pair: count for pair, count in got.items() if count}
         if any(not (isinstance(k, tuple) and len(k) == 2) for k in got):
             raise ExerciseFailed(f"keys must be pairs (a, b) of adjacent ids, got keys like {next(iter(got))!r}")
         answers.append(got)
-    if all(got == pair_counts(ids) for got, ids in zip(answers, cases, strict=True)):
-        return "counts every adjacent pair, overlapping ones included"
+    if all(got == _weighted_pair_counts(pieces) for got, pieces in zip(answers, cases, strict=True)):
+        return "counts every adjacent pair inside each piece, weighted by the piece's frequency"
     for mistake, why in _PAIR_COUNT_MISTAKES:  # named only if it explains every case
-        if all(got == mistake(ids) for got, ids in zip(answers, cases, strict=True)):
+        if all(got == _weighted_pair_counts(pieces, **mistake) for got, pieces in zip(answers, cases, strict=True)):
             raise ExerciseFailed(why)
-    got, ids = next((got, ids) for got, ids in zip(answers, cases, strict=True) if got != pair_counts(ids))
-    raise ExerciseFailed(f"for ids={ids} expected {dict(pair_counts(ids))}, got {got}")
+    got, pieces = next((got, pieces) for got, pieces in zip(answers, cases, strict=True)
+                       if got != _weighted_pair_counts(pieces))
+    raise ExerciseFailed(f"for pieces={pieces} expected {dict(_weighted_pair_counts(pieces))}, got {got}")
 
 
 @exercise("01", "merge", forbidden=("labkit.tokenizer.merge_pair", "labkit.tokenizer.bpe.merge_pair"))
@@ -152,9 +182,9 @@ def _train_without_pretokenizing(text, num_merges):
     return merges
 
 
-@exercise("01", "encode", points=2, forbidden=_ENCODING)
-def encode(ns):
-    fn = require(ns, "encode")
+@exercise("01", "bpe_encode", points=2, forbidden=_ENCODING)
+def bpe_encode(ns):
+    fn = require(ns, "bpe_encode")
     merges = train(_sample_text(0, 20_000), 256 + 120).merges
     merges_dict = {pair: 256 + rank for rank, pair in enumerate(merges)}
     reference = Tokenizer(learned_vocab(merges), merges, "gpt2")
@@ -177,7 +207,7 @@ def encode(ns):
         if got == _encode_by_frequency(text, merges_dict):
             raise ExerciseFailed("merges were chosen by how often a pair occurs in this text: apply the "
                                  "earliest-learned merge first (the lowest new id), as training did")
-        raise ExerciseFailed(f"encode({text[:40]!r}...) differs from labkit's: expected {expected[:12]}..., "
+        raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) differs from labkit's: expected {expected[:12]}..., "
                              f"got {got[:12]}...")
     return "same ids as labkit's tokenizer with your merges"
 

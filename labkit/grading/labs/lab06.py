@@ -3,6 +3,8 @@
 import torch
 
 from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading.remote import RemoteError
+from labkit.sampling import apply_penalties as ref_apply_penalties
 from labkit.sampling import filter_logits
 
 
@@ -31,40 +33,66 @@ _FILTER_LOGITS = ("labkit.sampling.filter_logits", "labkit.sampling.filters.filt
 _SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.sampler.gumbel_max")
 
 
+def _per_row_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The reference: each row's own softmax(logits / T), and a one-hot argmax where T = 0."""
+    return torch.stack([filter_logits(row[None], temperature=float(t)).softmax(-1)[0] if t == 0
+                        else (row / t).softmax(-1) for row, t in zip(logits, temperatures, strict=True)])
+
+
 @exercise("06", "temperature_probs", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_temperature",
                                                 "labkit.sampling.filters.keep_argmax"))
 def temperature_probs(ns):
     fn = require(ns, "temperature_probs")
-    logits = _logits(1)
-    for temperature in (0.5, 1.0, 2.0):
-        got = _call_without_mutation(fn, logits, temperature)
-        expected = (logits / temperature).softmax(-1)
-        if torch.allclose(got, (logits * temperature).softmax(-1), atol=1e-6) and temperature != 1.0:
-            raise ExerciseFailed("you multiplied the logits by the temperature: divide them "
-                                 "(a low temperature must sharpen the distribution)")
-        if torch.allclose(got, logits.softmax(-1), atol=1e-6) and temperature != 1.0:
-            raise ExerciseFailed("the temperature has no effect: divide the logits by it before the softmax")
-        if temperature != 1.0 and torch.allclose(got, logits.softmax(-1) / temperature, atol=1e-6):
-            raise ExerciseFailed("the probabilities were divided by the temperature: divide the logits, "
-                                 "then take the softmax")
-        if not torch.allclose(got.sum(-1), torch.ones(len(logits)), atol=1e-5):
-            raise ExerciseFailed("each row must be a probability distribution (sum to 1 over the last dimension)")
-        if not torch.allclose(got, expected, atol=1e-6):
-            raise ExerciseFailed(f"at temperature {temperature} the probabilities differ from "
-                                 "softmax(logits / temperature)")
-    try:
-        greedy = _call_without_mutation(fn, logits, 0.0)
-    except ExerciseFailed:
-        raise
-    except Exception as error:
-        raise ExerciseFailed(f"temperature 0 raised {type(error).__name__} (dividing by 0): treat it as greedy, "
-                             "all the probability on the argmax") from None
-    if torch.isnan(greedy).any():
-        raise ExerciseFailed("temperature 0 gives NaN (0/0 after dividing by 0): treat it as greedy, "
-                             "all the probability on the argmax")
-    if not torch.equal(greedy, filter_logits(logits, temperature=0).softmax(-1)):
-        raise ExerciseFailed("temperature 0 should put probability 1 on the argmax of each row and 0 elsewhere")
-    return "softmax(logits / T), and T = 0 is greedy"
+    square, wide = _logits(1, rows=4, vocab=4), _logits(1)
+    cases = [  # (logits, per-row temperatures); the square batch shows a division along the wrong axis
+        (square, torch.tensor([0.5, 1.0, 2.0, 1.5])),
+        (wide, torch.tensor([0.5, 1.0, 2.0, 1.5])),
+        (wide, torch.tensor([0.7, 0.0, 1.3, 0.0])),
+        (wide, torch.tensor([0.0, 0.0, 0.0, 0.0])),
+    ]
+    for logits, temperatures in cases:
+        greedy_rows = temperatures == 0
+        try:
+            got = _call_without_mutation(fn, logits, temperatures.clone())
+        except NotImplementedError:
+            raise
+        except (RuntimeError, ZeroDivisionError, TypeError, ValueError, IndexError, RemoteError) as error:
+            what = "a temperature of 0 (dividing by 0)" if greedy_rows.any() else "per-row temperatures"
+            raise ExerciseFailed(f"raised {type(error).__name__} on {what}: `temperatures` is one value per row "
+                                 "([batch]); divide by temperatures[:, None], and treat T = 0 rows as greedy") from None
+        expected = _per_row_temperature(logits, temperatures)
+        if torch.allclose(got, expected, atol=1e-6):
+            continue
+        sampled = ~greedy_rows
+        if not greedy_rows.any():
+            by_column = (logits / temperatures[None, :]).softmax(-1)
+            if torch.allclose(got, by_column, atol=1e-6):
+                raise ExerciseFailed("temperatures divided the columns, not the rows: temperature b belongs to row b "
+                                     "(temperatures[:, None] broadcasts along the row)")
+            if torch.allclose(got, (logits / temperatures[0]).softmax(-1), atol=1e-6):
+                raise ExerciseFailed("every row used the first row's temperature: each request brings its own")
+            if torch.allclose(got, (logits * temperatures[:, None]).softmax(-1), atol=1e-6):
+                raise ExerciseFailed("you multiplied the logits by the temperature: divide them "
+                                     "(a low temperature must sharpen the distribution)")
+            if torch.allclose(got, logits.softmax(-1), atol=1e-6):
+                raise ExerciseFailed("the temperature has no effect: divide the logits by it before the softmax")
+            if torch.allclose(got, logits.softmax(-1) / temperatures[:, None], atol=1e-6):
+                raise ExerciseFailed("the probabilities were divided by the temperature: divide the logits, "
+                                     "then take the softmax")
+            if not torch.allclose(got.sum(-1), torch.ones(len(logits)), atol=1e-5):
+                raise ExerciseFailed("each row must be a probability distribution (sum to 1 over the last dimension)")
+            raise ExerciseFailed("the probabilities differ from softmax(logits / temperature) row by row")
+        if torch.isnan(got).any():
+            raise ExerciseFailed("a temperature-0 row gives NaN (0/0 after dividing by 0): treat it as greedy, "
+                                 "all the probability on the argmax")
+        if sampled.any() and torch.allclose(got[sampled], expected[sampled], atol=1e-6):
+            raise ExerciseFailed("the rows with T > 0 are right, the T = 0 rows are not: put probability 1 on each "
+                                 "such row's argmax and 0 elsewhere")
+        if sampled.any() and torch.equal(got, filter_logits(logits, temperature=0).softmax(-1)):
+            raise ExerciseFailed("every row became greedy because some request asked for T = 0: decide per row")
+        raise ExerciseFailed(f"with temperatures {temperatures.tolist()} the rows differ from softmax(logits / T) "
+                             "(one-hot argmax where T = 0)")
+    return "each row's own softmax(logits / T), and T = 0 rows are greedy"
 
 
 @exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k"))
@@ -151,6 +179,81 @@ def sample_next(ns):
         raise ExerciseFailed("at temperature 0.3 the draws should concentrate on the argmax: divide the "
                              "logits by the temperature before the softmax")
     return "greedy at temperature 0, seeded draws that follow softmax(logits / T)"
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long).view(len(rows), width)
+
+
+def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, *, negative="multiply",
+               per_occurrence=False, repetition_from="both", counted_from="output", frequency_counts=True,
+               rows="own", presence_sign=-1):
+    """Each row's penalties applied with loops, the readable way; the switches make typical mistakes."""
+    out = logits.clone()
+    for b in range(len(out)):
+        r = 0 if rows == "first" else b
+        history = {"both": prompt_ids[b] + output_ids[b], "output": output_ids[b]}[repetition_from]
+        generated = {"output": output_ids[b], "both": prompt_ids[b] + output_ids[b]}[counted_from]
+        for token in set(history):
+            times = history.count(token) if per_occurrence else 1
+            for _ in range(times):
+                positive = out[b, token] > 0
+                if positive or negative == "divide":
+                    out[b, token] = out[b, token] / repetition[r]
+                else:
+                    out[b, token] = out[b, token] * repetition[r]
+        for token in set(generated):
+            count = generated.count(token) if frequency_counts else 1
+            out[b, token] -= frequency[r] * count
+            out[b, token] += presence_sign * presence[r]
+    return out
+
+
+_PENALTY_MISTAKES = (
+    (dict(negative="divide"), "a negative logit was divided by the penalty, which moves it toward 0 and makes the "
+                              "token MORE likely: multiply negative logits, divide positive ones"),
+    (dict(per_occurrence=True), "repetition_penalty was applied once per occurrence: it applies once to every "
+                                "distinct token seen, however often"),
+    (dict(repetition_from="output"), "the prompt's tokens escaped repetition_penalty: it covers the prompt and the "
+                                     "output so far"),
+    (dict(counted_from="both"), "presence and frequency penalties counted the prompt's tokens: they count only "
+                                "generated (output) tokens"),
+    (dict(frequency_counts=False), "frequency_penalty was subtracted once per token: it is subtracted once per "
+                                   "occurrence (times the count)"),
+    (dict(presence_sign=1), "presence_penalty was added: subtract it, so that a positive penalty discourages"),
+    (dict(rows="first"), "every row used the first row's penalties: each request brings its own"),
+)
+
+
+@exercise("06", "apply_penalties", forbidden=("labkit.sampling.apply_penalties",
+                                              "labkit.sampling.penalties.apply_penalties",
+                                              "labkit.sampling.penalties.token_counts"))
+def apply_penalties(ns):
+    fn = require(ns, "apply_penalties")
+    logits = _logits(6, rows=4, vocab=10)
+    prompt_ids = [[1, 2, 2, 3], [4, 5], [1, 1, 7], [0, 9]]
+    output_ids = [[3, 3, 6, 2], [5, 8, 8, 8], [], [9, 9, 4]]
+    settings = [[1.3, 2.0, 1.0, 1.5], [0.5, 0.0, 0.0, 0.7], [0.2, 0.0, 0.4, 0.3]]  # repetition, presence, frequency
+    want = ref_apply_penalties(logits, _padded(prompt_ids), _padded(output_ids),
+                               *(torch.tensor(s) for s in settings))
+    given = logits.clone()
+    got = fn(given, [list(r) for r in prompt_ids], [list(r) for r in output_ids], *(list(s) for s in settings))
+    if not torch.equal(given, logits):
+        raise ExerciseFailed("your function changed its input logits in place: work on a copy "
+                             "(the engine still needs the raw logits, e.g. for logprobs)")
+    if not isinstance(got, torch.Tensor) or got.shape != logits.shape:
+        raise ExerciseFailed(f"expected a tensor of shape {tuple(logits.shape)}")
+    if torch.allclose(got, want, atol=1e-5):
+        return "repetition on prompt + output (once per token, by sign), presence and frequency on the output"
+    for mistake, why in _PENALTY_MISTAKES:
+        if torch.allclose(got, _penalized(logits, prompt_ids, output_ids, *settings, **mistake), atol=1e-5):
+            raise ExerciseFailed(why)
+    if torch.allclose(got, logits):
+        raise ExerciseFailed("the logits came back unchanged: apply the penalties to the tokens each row has seen")
+    row = int((got - want).abs().amax(-1).argmax())
+    raise ExerciseFailed(f"row {row} differs from the expected penalized logits (max abs diff "
+                         f"{(got - want).abs().max():.3g})")
 
 
 @exercise("06", "knowledge_check")

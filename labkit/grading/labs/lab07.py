@@ -6,6 +6,7 @@ import torch
 
 from labkit.attention.reference import online_softmax_attention
 from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading.remote import RemoteError
 
 _MANAGER = "labkit.cache.block_manager.BlockManager"
 
@@ -53,26 +54,50 @@ def simple_block_allocator(ns):
     return "blocks allocated on demand, reused after free, utilization = used / total blocks"
 
 
-def _reference_savings(num_sequences, avg_length, max_length, block_size, memory_per_token):
-    traditional = num_sequences * max_length * memory_per_token
-    paged = num_sequences * math.ceil(avg_length / block_size) * block_size * memory_per_token
-    used = num_sequences * avg_length * memory_per_token
+def _reference_savings(lengths, max_length, block_size, memory_per_token):
+    for n in lengths:
+        if not 1 <= n <= max_length:
+            raise ValueError(f"a sequence of {n} tokens does not fit a reservation of 1..{max_length}")
+    traditional = len(lengths) * max_length * memory_per_token
+    paged = sum(math.ceil(n / block_size) * block_size for n in lengths) * memory_per_token
+    used = sum(lengths) * memory_per_token
     return {"traditional_memory": traditional, "paged_memory": paged, "savings_bytes": traditional - paged,
             "savings_percent": 100 * (traditional - paged) / traditional,
             "utilization_traditional": used / traditional, "utilization_paged": used / paged}
 
 
+def _paged_slots_if(lengths, block_size):
+    """Paged slots under typical mistakes, to name the one a wrong answer made."""
+    n, total = len(lengths), sum(lengths)
+    return {
+        "tokens": total,
+        "average": n * math.ceil(total / n / block_size) * block_size,
+        "pooled": math.ceil(total / block_size) * block_size,
+        "floor": sum(length // block_size * block_size for length in lengths),
+    }
+
+
 @exercise("07", "calculate_memory_savings", forbidden=("labkit.grading.labs.lab07._reference_savings",))
 def calculate_memory_savings(ns):
     fn = require(ns, "calculate_memory_savings")
-    for args in (dict(num_sequences=30, avg_length=1000, max_length=2048, block_size=16, memory_per_token=512),
-                 dict(num_sequences=7, avg_length=333, max_length=1024, block_size=32, memory_per_token=96)):
-        got = fn(**args)
+    mistakes = {
+        "tokens": "paged memory counts only the tokens: round each sequence up to whole blocks",
+        "average": "rounded the average length up, once: each sequence's own last block is partly empty, so "
+                   "round every length up to whole blocks and add them",
+        "pooled": "rounded the total token count up to blocks, as if sequences shared blocks: a block belongs to "
+                  "one sequence, so round each sequence up on its own",
+        "floor": "rounded down: a partly filled last block still takes a whole block (ceil, not floor)",
+    }
+    for args in (dict(lengths=[50, 16, 1, 33, 100, 47], max_length=128, block_size=16, memory_per_token=96),
+                 dict(lengths=[1000] * 3 + [333, 64, 2048], max_length=2048, block_size=32, memory_per_token=512)):
+        got = fn(**{**args, "lengths": list(args["lengths"])})
         want = _reference_savings(**args)
         if not isinstance(got, dict) or set(want) - set(got):
             raise ExerciseFailed(f"return a dict with keys {sorted(want)}")
-        if math.isclose(got["paged_memory"], args["num_sequences"] * args["avg_length"] * args["memory_per_token"]):
-            raise ExerciseFailed("paged memory counts only the tokens: round each sequence up to whole blocks")
+        for mistake, slots in _paged_slots_if(args["lengths"], args["block_size"]).items():
+            if slots * args["memory_per_token"] != want["paged_memory"] and math.isclose(
+                    float(got["paged_memory"]), slots * args["memory_per_token"]):
+                raise ExerciseFailed(mistakes[mistake])
         if math.isclose(got["savings_percent"], 100 * (want["savings_bytes"] / want["paged_memory"])):
             raise ExerciseFailed("savings_percent is relative to the paged memory; express it as a share of the "
                                  "traditional memory")
@@ -80,7 +105,20 @@ def calculate_memory_savings(ns):
             if not math.isclose(float(got[key]), value, rel_tol=1e-9):
                 scale = " (percent means 0..100)" if key == "savings_percent" else ""
                 raise ExerciseFailed(f"{key} should be {value:.6g} for {args}, got {got[key]!r}{scale}")
-    return "traditional reserves max_length per sequence; paged rounds each up to whole blocks"
+    for lengths, problem in (([10, 300, 20], "300"), ([10, 0], "0")):
+        try:
+            fn(lengths=lengths, max_length=256, block_size=16, memory_per_token=8)
+        except (ValueError, RemoteError) as error:  # RemoteError: raised in the student's kernel, named there
+            if getattr(error, "type_name", "ValueError") != "ValueError":
+                raise
+            if problem not in str(error):
+                raise ExerciseFailed(f"the ValueError for lengths {lengths} should name the bad length {problem} "
+                                     f"(it said: {error})") from None
+            continue
+        raise ExerciseFailed(f"lengths {lengths} with max_length 256 gave a result: a sequence longer than the "
+                             "reservation (or of no tokens) has no place in this comparison; raise ValueError "
+                             "naming it")
+    return "each sequence rounded up to its own blocks, against a max_length reservation; bad lengths rejected"
 
 
 def _reference_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
