@@ -15,7 +15,6 @@ interpreter for the reason given there.
 """
 
 import functools
-import math
 import os
 
 import torch
@@ -108,20 +107,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 
 def attention_hbm_bytes(seq_len: int, head_dim: int, num_heads: int, dtype_bytes: int,
-                        block_m: int = 64, block_n: int = 64) -> dict[str, int]:
+                        block_m: int = 64) -> dict[str, int]:
     """Bytes read + written from GPU memory by causal attention over one sequence, naive vs flash.
 
     Naive (one kernel per step, as a framework runs it): read Q, K (2Nd), write S (N^2); the softmax
     reads S and writes P (2N^2); P V reads P and V (N^2 + Nd) and writes O (Nd): 4Nd + 4N^2 per head.
     Flash: Q read and O written once (2Nd); query tile i reads the key tiles up to the diagonal, each
     K and V row once per tile that needs it. Flash counts no score bytes at all: that is the point.
-    K/V are counted per query head (each program loads its own), so GQA does not change the totals.
+    K/V are counted per query head (each program loads its own), so GQA does not change the totals;
+    the key tile width does not matter either, only how many query tiles re-read the keys.
     """
     n, d = seq_len, head_dim
     naive = 4 * n * d + 4 * n * n
-    kv_rows = 0
-    for m0 in range(0, n, block_m):
-        kv_end = min(n, m0 + block_m)
-        kv_rows += min(kv_end, math.ceil(kv_end / block_n) * block_n)  # whole tiles, clipped to the sequence
+    # query tile i loads keys 0 .. min(n, (i + 1) block_m) - 1 (masked loads past the end move nothing)
+    kv_rows = sum(min(n, m0 + block_m) for m0 in range(0, n, block_m))
     flash = 2 * n * d + 2 * kv_rows * d
     return {"naive": naive * num_heads * dtype_bytes, "flash": flash * num_heads * dtype_bytes}
