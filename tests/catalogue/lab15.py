@@ -113,6 +113,11 @@ def row_forward_full_x(x, weight, bias, world_size):
     return sum(partials), partials
 
 
+def row_forward_labkit_shards(x, weight, bias, world_size):
+    partials = [xs @ shard_rows(weight, r, world_size).T for r, xs in enumerate(x.chunk(world_size, dim=-1))]
+    return sum(partials) + (0 if bias is None else bias), partials
+
+
 def row_forward_no_partials(x, weight, bias, world_size):
     out, _ = row_forward_slices(x, weight, bias, world_size)
     return out, []
@@ -262,6 +267,8 @@ WRONG = [
     Wrong("row_parallel_forward", "W padded instead of x sliced, bias in each", row_forward_full_x,
           "added once, after the sum"),
     Wrong("row_parallel_forward", "no partials returned", row_forward_no_partials, "one partial per rank"),
+    Wrong("row_parallel_forward", "calls labkit's shard_rows", row_forward_labkit_shards, "`shard_rows`",
+          calls="labkit.parallel.layers.shard_rows"),
     Wrong("row_parallel_forward", "returns only the output", lambda *a: row_forward_slices(*a)[0],
           "return (output, partials)"),
     Wrong("online_softmax_update", "acc not rescaled", online_no_rescale_acc, "acc must be rescaled"),
