@@ -56,6 +56,12 @@ def shard_with(**changes):
     return answer
 
 
+def shard_asserting(weight, bias, rank, world_size, mode):
+    dim = 0 if mode == "column" else 1
+    assert weight.shape[dim] % world_size == 0, "uneven split"
+    return shard_by_narrow(weight, bias, rank, world_size, mode)
+
+
 def shard_ragged(weight, bias, rank, world_size, mode):
     dim = 0 if mode == "column" else 1
     w = weight.tensor_split(world_size, dim=dim)[rank]
@@ -252,6 +258,7 @@ WRONG = [
           "added world_size times"),
     Wrong("shard_linear", "row-parallel bias sliced", shard_with(row_bias_sliced=True), "not a slice of it"),
     Wrong("shard_linear", "ragged shards for uneven splits", shard_ragged, "raise a ValueError"),
+    Wrong("shard_linear", "an assert for the uneven split", shard_asserting, "raise a ValueError, not AssertionError"),
     Wrong("shard_linear", "returns only the weight", lambda w, b, r, p, mode: shard_by_narrow(w, b, r, p, mode)[0],
           "return a pair"),
     Wrong("shard_linear", "calls labkit's shard_columns",

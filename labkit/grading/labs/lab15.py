@@ -70,8 +70,12 @@ def shard_linear(ns):
                             "after the sum), not a slice of it")
     try:
         fn(torch.zeros(6, 4), None, 0, 4, "column")
-    except ValueError:
-        pass
+    except (NotImplementedError, ExerciseFailed):
+        raise
+    except Exception as error:  # noqa: BLE001 - the student's code raised, as it should; which type?
+        name = getattr(error, "type_name", type(error).__name__)  # the sandbox names the student's type
+        if name != "ValueError":
+            raise ExerciseFailed(f"uneven split: raise a ValueError, not {name}") from None
     else:
         raise ExerciseFailed("6 out_features across 4 ranks do not split evenly: raise a ValueError "
                              "instead of handing ranks different shapes")
