@@ -21,6 +21,7 @@ RIGHT = {
     "11": {1: 7, 2: 1, 3: 73, 4: "b", 5: "a"},
     "12": {1: 7680, 2: 299, 3: "a", 4: "c", 5: "b"},
     "13": {1: 271, 2: 5, 3: "b", 4: "c", 5: "a"},
+    "15": {1: 6912000, 2: "b", 3: 7.4, 4: "c", 5: "a"},
 }
 
 # Wrong answers a student might give, each with the misconception behind it: {question: answer}.
@@ -152,6 +153,16 @@ WRONG = {
         ({3: "d"}, "thinks prefix caching fixes the scale"),
         ({4: "a"}, "thinks per-channel scales save bytes"),
         ({5: "b"}, "thinks quantization is lossless"),
+    ],
+    "15": [
+        ({1: 3456000}, "counted one all-reduce per layer"),
+        ({1: 13824000}, "used fp32 bytes"),
+        ({1: 230400}, "counted one layer"),
+        ({2: "c"}, "thinks every query head needs its own rank"),
+        ({3: 3.9}, "read every key tile (forgot the causal skip)"),
+        ({3: 0.13}, "gave flash / naive"),
+        ({4: "a"}, "thinks column-parallel layers communicate"),
+        ({5: "c"}, "normalises the accumulator every tile"),
     ],
 }
 
