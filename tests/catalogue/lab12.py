@@ -1,46 +1,93 @@
-"""Lab 12: the roofline, KV-cache capacity, pooling K/V heads, perplexity."""
+"""Lab 12: K/V heads on the roofline, KV-cache capacity, pooling K/V heads, perplexity."""
 
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from catalogue import Right, Wrong
-from labkit.grading.labs.lab12 import reference_kv_capacity, reference_roofline_point
+from labkit.grading.labs.lab12 import reference_decode_regimes, reference_kv_capacity
+from labkit.model.config import ModelConfig
 from labkit.model.kv_heads import pool_kv_heads as labkit_pool_kv_heads
 from labkit.model.perplexity import perplexity_from_logits
+from labkit.roofline import decode_cost
 
-# ------------------------------------------------------------------------------------- roofline_point
-
-
-def roofline_min_max(flops, bytes_moved, peak_flops, bandwidth):
-    intensity = flops / bytes_moved
-    ridge = peak_flops / bandwidth
-    return {"intensity": intensity, "ridge": ridge, "attainable": min(peak_flops, bandwidth * intensity),
-            "seconds": max(flops / peak_flops, bytes_moved / bandwidth),
-            "bound": "compute" if intensity >= ridge else "memory"}
+# ------------------------------------------------------------------------------------- decode_regimes
 
 
-def roofline_by_regime(flops, bytes_moved, peak_flops, bandwidth):
-    """Decide the regime first, then read everything off the roof that binds."""
-    intensity, ridge = flops / bytes_moved, peak_flops / bandwidth
-    if intensity < ridge:
-        return dict(intensity=intensity, ridge=ridge, attainable=bandwidth * intensity,
-                    seconds=bytes_moved / bandwidth, bound="memory")
-    return dict(intensity=intensity, ridge=ridge, attainable=float(peak_flops), seconds=flops / peak_flops,
-                bound="compute")
+def roofline(intensity, peak_flops, bandwidth):
+    """Lab 02's answer, which a Lab 12 student pastes in and calls."""
+    memory_roof = intensity * bandwidth
+    return min(peak_flops, memory_roof), "memory" if memory_roof < peak_flops else "compute"
 
 
-def roofline_with(**changes):
-    def answer(flops, bytes_moved, peak_flops, bandwidth):
-        return {**roofline_min_max(flops, bytes_moved, peak_flops, bandwidth), **{
-            key: change(flops, bytes_moved, peak_flops, bandwidth) for key, change in changes.items()}}
-    return answer
+def _check_heads(config, kv_heads_list):
+    for kv_heads in kv_heads_list:
+        if kv_heads < 1 or config["num_heads"] % kv_heads:
+            raise ValueError(f"{kv_heads} K/V heads do not divide {config['num_heads']} query heads")
 
 
-def roofline_bound_strict(flops, bytes_moved, peak_flops, bandwidth):
-    point = roofline_min_max(flops, bytes_moved, peak_flops, bandwidth)
-    return {**point, "bound": "compute" if point["intensity"] > point["ridge"] else "memory"}
+def _decode_step(config, kv_heads, batch, context, dtype_bytes, *, weight_kv_heads=None, attention_heads=None,
+                 weights_per_sequence=False):
+    """(FLOPs, bytes) of one decode step, labkit.roofline's accounting; the keywords switch a step to a mistake."""
+    hidden, layers, head_dim = config["hidden_size"], config["num_layers"], config["head_dim"]
+    projections = hidden * (2 * config["num_heads"] + 2 * (weight_kv_heads or kv_heads)) * head_dim
+    params = layers * (projections + 3 * hidden * config["intermediate_size"]) + config["vocab_size"] * hidden
+    attention = layers * 4 * (attention_heads or config["num_heads"]) * head_dim * context
+    flops = batch * (2 * params + attention)
+    kv_bytes = batch * context * 2 * layers * kv_heads * head_dim * dtype_bytes
+    return flops, (batch if weights_per_sequence else 1) * params * dtype_bytes + kv_bytes
+
+
+def regimes_nested_loops(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2):
+    _check_heads(config, kv_heads_list)
+    result = {}
+    for kv_heads in kv_heads_list:
+        result[kv_heads] = {}
+        for batch in batches:
+            for context in contexts:
+                flops, nbytes = _decode_step(config, kv_heads, batch, context, dtype_bytes)
+                attainable, bound = roofline(flops / nbytes, peak_flops, bandwidth)
+                result[kv_heads][batch, context] = (flops / attainable, bound)
+    return result
+
+
+def regimes_with_labkit_costs(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2):
+    """labkit.roofline's decode_cost on a ModelConfig rebuilt from the dict, one comprehension per head count."""
+    _check_heads(config, kv_heads_list)
+
+    def step(kv_heads, batch, context):
+        shape = ModelConfig(architecture="llama", **{**config, "num_kv_heads": kv_heads}, max_position_embeddings=8192,
+                            rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True)
+        cost = decode_cost(shape, batch, context, dtype_bytes)
+        attainable, bound = roofline(cost.intensity, peak_flops, bandwidth)
+        return cost.flops / attainable, bound
+
+    return {h: {(b, n): step(h, b, n) for b, n in itertools.product(batches, contexts)} for h in kv_heads_list}
+
+
+def regimes_half_right(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2, *,
+                       check=True, same_heads=False, time=None, dtype=None, **step_mistake):
+    """The nested loops with one step switched to what a student half-remembers."""
+    if check:
+        _check_heads(config, kv_heads_list)
+    result = {}
+    for kv_heads in kv_heads_list:
+        priced = config["num_kv_heads"] if same_heads else kv_heads
+        named = {"kv": priced, "config": config["num_kv_heads"]}  # which head count a mistaken step uses
+        mistake = {key: named.get(value, value) for key, value in step_mistake.items()}
+        result[kv_heads] = {}
+        for batch, context in itertools.product(batches, contexts):
+            flops, nbytes = _decode_step(config, priced, batch, context, dtype or dtype_bytes, **mistake)
+            attainable, bound = roofline(flops / nbytes, peak_flops, bandwidth)
+            seconds = time(flops, nbytes, peak_flops, bandwidth) if time else flops / attainable
+            result[kv_heads][batch, context] = (seconds, bound)
+    return result
+
+
+def regimes_with(**mistake):
+    return lambda *args: regimes_half_right(*args, **mistake)
 
 
 # ---------------------------------------------------------------------------------------- kv_capacity
@@ -206,8 +253,8 @@ def perplexity_cross_entropy(logits, token_ids):
 
 
 RIGHT = [
-    Right("roofline_point", "min and max", roofline_min_max),
-    Right("roofline_point", "regime first", roofline_by_regime),
+    Right("decode_regimes", "nested loops over the grid", regimes_nested_loops),
+    Right("decode_regimes", "labkit's decode_cost on a rebuilt config", regimes_with_labkit_costs),
     Right("kv_capacity", "closed-form arithmetic", kv_capacity_arithmetic),
     Right("kv_capacity", "allocate blocks in a loop", kv_capacity_by_allocation),
     Right("pool_kv_heads", "reshape and mean", pool_reshape_mean),
@@ -218,26 +265,30 @@ RIGHT = [
 ]
 
 WRONG = [
-    Wrong("roofline_point", "bytes per FLOP", roofline_with(intensity=lambda f, b, p, w: b / f), "not bytes per FLOP"),
-    Wrong("roofline_point", "ridge inverted", roofline_with(ridge=lambda f, b, p, w: w / p),
-          "not bandwidth / peak_flops"),
-    Wrong("roofline_point", "the higher roof", roofline_with(attainable=lambda f, b, p, w: max(p, w * f / b)),
-          "not the higher"),
-    Wrong("roofline_point", "memory roof without intensity", roofline_with(attainable=lambda f, b, p, w: min(p, w)),
-          "not the bandwidth alone"),
-    Wrong("roofline_point", "time from compute only", roofline_with(seconds=lambda f, b, p, w: f / p),
-          "the time ignores memory"),
-    Wrong("roofline_point", "compute and memory times added", roofline_with(seconds=lambda f, b, p, w: f / p + b / w),
-          "not their sum"),
-    Wrong("roofline_point", "the ridge point counted as memory-bound", roofline_bound_strict, "intensity >= ridge"),
-    Wrong("roofline_point", "returns a tuple", lambda f, b, p, w: tuple(roofline_min_max(f, b, p, w).values()),
-          "return a dict"),
-    Wrong("roofline_point", "bound spelled differently",
-          roofline_with(bound=lambda f, b, p, w: "memory-bound" if f / b < p / w else "compute-bound"),
-          "'bound' must be"),
-    Wrong("roofline_point", "imports the grader's reference", lambda *a: reference_roofline_point(*a),
-          "`reference_roofline_point`",
-          calls="labkit.grading.labs.lab12.reference_roofline_point"),
+    Wrong("decode_regimes", "every head count priced at the config's", regimes_with(same_heads=True),
+          "with its own num_kv_heads"),
+    Wrong("decode_regimes", "k_proj and v_proj keep their size", regimes_with(weight_kv_heads="config"),
+          "shrink k_proj and v_proj"),
+    Wrong("decode_regimes", "attention FLOPs per K/V head", regimes_with(attention_heads="kv"),
+          "attention FLOPs count num_heads"),
+    Wrong("decode_regimes", "float32 bytes whatever dtype_bytes", regimes_with(dtype=4), "not float32's 4"),
+    Wrong("decode_regimes", "weights read once per sequence",
+          regimes_with(weights_per_sequence=True),
+          "the batch shares one read of the weights"),
+    Wrong("decode_regimes", "time from the bytes only", regimes_with(time=lambda f, b, p, w: b / w),
+          "not limited by its bytes"),
+    Wrong("decode_regimes", "time from the FLOPs only", regimes_with(time=lambda f, b, p, w: f / p),
+          "longer than flops / peak"),
+    Wrong("decode_regimes", "compute and memory times added", regimes_with(time=lambda f, b, p, w: f / p + b / w),
+          "not flops / peak + bytes / bandwidth"),
+    Wrong("decode_regimes", "no check that K/V heads divide the query heads", regimes_with(check=False),
+          "must divide num_heads"),
+    Wrong("decode_regimes", "bound spelled differently",
+          lambda *a: {h: {key: (t, f"{b}-bound") for key, (t, b) in grid.items()}
+                      for h, grid in regimes_nested_loops(*a).items()},
+          "\"memory\" or \"compute\""),
+    Wrong("decode_regimes", "imports the grader's reference", lambda *a: reference_decode_regimes(*a),
+          "`reference_decode_regimes`", calls="labkit.grading.labs.lab12.reference_decode_regimes"),
     Wrong("kv_capacity", "query heads instead of KV heads", kv_with(heads="num_heads"), "use num_kv_heads"),
     Wrong("kv_capacity", "K only", kv_with(tensors=1), "the factor 2"),
     Wrong("kv_capacity", "one layer", kv_with(layers=False), "multiply by num_layers"),

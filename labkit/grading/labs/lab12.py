@@ -1,5 +1,5 @@
-"""Lab 12: memory-bound inference. The roofline, KV-cache capacity, MHA -> GQA -> MQA by pooling K/V
-heads, and perplexity, the number that measures what the pooling cost."""
+"""Lab 12: memory-bound inference. How K/V heads move decode on Lab 02's roofline, KV-cache capacity,
+MHA -> GQA -> MQA by pooling K/V heads, and perplexity, the number that measures what the pooling cost."""
 
 import math
 import random
@@ -7,85 +7,147 @@ import random
 import torch
 
 from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.model.config import ModelConfig
 from labkit.model.kv_heads import pool_kv_heads as reference_pool_kv_heads
 from labkit.model.perplexity import perplexity_from_logits
+from labkit.roofline import decode_cost, weight_bytes
 
-# ---------------------------------------------------------------- Exercise 1: a point on the roofline
+# ------------------------------------------- Exercise 1: where K/V heads put decode on the roofline
 
-ROOFLINE_KEYS = ("intensity", "ridge", "attainable", "seconds", "bound")
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
-def reference_roofline_point(flops, bytes_moved, peak_flops, bandwidth, *, mistake=None):
-    """Where a step of `flops` operations moving `bytes_moved` bytes lands on a machine's roofline.
+def _model_config(config: dict, num_kv_heads: int) -> ModelConfig:
+    """labkit's own config for a shape dict, so the reference prices steps with labkit.roofline."""
+    return ModelConfig(architecture="llama", **{**{k: config[k] for k in SHAPE_KEYS}, "num_kv_heads": num_kv_heads},
+                       max_position_embeddings=1 << 20, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True)
+
+
+def _mistaken_cost(config, kv_heads, batch, context, dtype_bytes, mistake):
+    """decode_cost with one step of it switched to what a student half-remembers."""
+    if mistake == "kept_heads":
+        kv_heads = config["num_kv_heads"]
+    if mistake == "float32":
+        dtype_bytes = 4
+    cost = decode_cost(_model_config(config, kv_heads), batch, context, dtype_bytes)
+    flops, nbytes = cost.flops, cost.bytes_moved
+    if mistake == "kv_only":  # the K/V reads shrink, but k_proj and v_proj are priced at the original heads
+        original = _model_config(config, config["num_kv_heads"])
+        flops = decode_cost(original, batch, context, dtype_bytes).flops
+        nbytes += weight_bytes(original, dtype_bytes) - weight_bytes(_model_config(config, kv_heads), dtype_bytes)
+    if mistake == "attention_flops":  # QK^T and PV counted per K/V head instead of per query head
+        flops -= batch * config["num_layers"] * 4 * (config["num_heads"] - kv_heads) * config["head_dim"] * context
+    if mistake == "weights_per_sequence":
+        nbytes += (batch - 1) * weight_bytes(_model_config(config, kv_heads), dtype_bytes)
+    return flops, nbytes
+
+
+def reference_decode_regimes(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2, *,
+                             mistake=None):
+    """{kv_heads: {(batch, context): (seconds, bound)}} of one decode step, priced by labkit.roofline.
     `mistake` re-creates a typical wrong answer, so that a wrong result can be named."""
-    intensity = bytes_moved / flops if mistake == "inverted" else flops / bytes_moved
-    ridge = bandwidth / peak_flops if mistake == "ridge_inverted" else peak_flops / bandwidth
-    if mistake == "max":
-        attainable = max(peak_flops, bandwidth * intensity)
-    elif mistake == "no_intensity":
-        attainable = min(peak_flops, bandwidth)
-    else:
-        attainable = min(peak_flops, bandwidth * intensity)
-    if mistake == "compute_only":
-        seconds = flops / peak_flops
-    elif mistake == "sum":
-        seconds = flops / peak_flops + bytes_moved / bandwidth
-    else:
-        seconds = max(flops / peak_flops, bytes_moved / bandwidth)
-    if mistake == "ridge_is_memory":
-        bound = "compute" if intensity > ridge else "memory"
-    else:
-        bound = "compute" if intensity >= ridge else "memory"
-    return {"intensity": intensity, "ridge": ridge, "attainable": attainable, "seconds": seconds, "bound": bound}
+    for kv_heads in kv_heads_list:
+        if mistake != "no_validation" and (kv_heads < 1 or config["num_heads"] % kv_heads):
+            raise ValueError(f"{kv_heads} K/V heads cannot be shared by {config['num_heads']} query heads")
+    regimes = {}
+    for kv_heads in kv_heads_list:
+        grid = regimes[kv_heads] = {}
+        for batch in batches:
+            for context in contexts:
+                flops, nbytes = _mistaken_cost(config, kv_heads, batch, context, dtype_bytes, mistake)
+                memory_roof = flops / nbytes * bandwidth
+                bound = "memory" if memory_roof < peak_flops else "compute"
+                if mistake == "memory_time":
+                    seconds = nbytes / bandwidth
+                elif mistake == "compute_time":
+                    seconds = flops / peak_flops
+                elif mistake == "sum":
+                    seconds = flops / peak_flops + nbytes / bandwidth
+                else:
+                    seconds = flops / min(peak_flops, memory_roof)
+                grid[(batch, context)] = (seconds, bound)
+    return regimes
 
 
-_ROOFLINE_MISTAKES = {
-    "inverted": "intensity is FLOPs per byte (flops / bytes_moved), not bytes per FLOP",
-    "ridge_inverted": "the ridge point is peak_flops / bandwidth (FLOP per byte), not bandwidth / peak_flops",
-    "max": "attainable performance is the lower of the two roofs, min(peak, bandwidth * intensity), not the higher",
-    "no_intensity": "the memory roof is bandwidth * intensity (bytes/s times FLOP/byte), not the bandwidth alone",
-    "compute_only": "the time ignores memory: a step takes at least max(flops / peak, bytes / bandwidth)",
-    "sum": "the roofline overlaps compute and memory traffic: the time is max(flops / peak, bytes / bandwidth), "
-           "not their sum",
-    "ridge_is_memory": "a step exactly at the ridge point reaches the peak: intensity >= ridge is compute-bound",
+_REGIME_MISTAKES = {
+    "kept_heads": "every K/V-head count gave the same step: price each one with its own num_kv_heads",
+    "kv_only": "fewer K/V heads also shrink k_proj and v_proj: the weights read per step change with num_kv_heads "
+               "too, not only the K/V cache",
+    "attention_flops": "GQA shares K/V heads but every query head still does its own QK^T and PV: attention FLOPs "
+                       "count num_heads, not num_kv_heads",
+    "float32": "price the weights and the K/V cache at dtype_bytes bytes per element (bf16: 2), not float32's 4",
+    "weights_per_sequence": "the batch shares one read of the weights: only the K/V reads grow with the batch",
+    "memory_time": "the step time is flops / attainable (the larger of flops / peak and bytes / bandwidth): "
+                   "a compute-bound step is not limited by its bytes",
+    "compute_time": "the step time is flops / attainable: a memory-bound step takes bytes / bandwidth, "
+                    "longer than flops / peak",
+    "sum": "the roofline overlaps compute and memory traffic: the time is flops / attainable, "
+           "not flops / peak + bytes / bandwidth",
+}
+
+_SHAPES = {  # name: (shape, K/V-head counts to price)
+    "SmolLM2-135M": ({"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
+                      "num_heads": 9, "num_kv_heads": 3, "head_dim": 64}, [9, 3, 1]),
+    "Llama-3 8B": ({"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32,
+                    "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}, [32, 8, 1]),
+    "a toy": ({"vocab_size": 100, "hidden_size": 16, "intermediate_size": 32, "num_layers": 2, "num_heads": 4,
+               "num_kv_heads": 2, "head_dim": 4}, [2, 4]),
 }
 
 
-def _same(got, want) -> bool:
-    return got == want if isinstance(want, str) else math.isclose(got, want, rel_tol=1e-6)
+def _same_step(got, want) -> bool:
+    return (isinstance(got, tuple | list) and len(got) == 2 and isinstance(got[0], int | float)
+            and not isinstance(got[0], bool) and math.isclose(got[0], want[0], rel_tol=1e-6) and got[1] == want[1])
 
 
-@exercise("12", "roofline_point", forbidden=("labkit.grading.labs.lab12.reference_roofline_point",))
-def roofline_point(ns):
-    fn = require(ns, "roofline_point")
-    rng = random.Random(12)
-    machines = [(100e9, 20e9), (1e15, 3.35e12), (130e9, 12.5e9)]
-    cases = [(2e9, 1e9, *machines[0]), (2e9, 0.4e9, *machines[0]), (5e9, 1e9, *machines[0]),  # below, above, at
-             (2.7e8, 5.4e8, *machines[1]), (1.5e14, 5.4e8, *machines[1]), (3.4e10, 5.4e8, *machines[2])]
-    cases += [(rng.uniform(1e6, 1e12), rng.uniform(1e6, 1e10), *rng.choice(machines)) for _ in range(30)]
-    for case in cases:
-        got = fn(*case)
-        if not isinstance(got, dict) or set(got) != set(ROOFLINE_KEYS):
-            raise ExerciseFailed(f"return a dict with exactly the keys {', '.join(ROOFLINE_KEYS)}; got {got!r}")
-        if got["bound"] not in ("memory", "compute"):
-            raise ExerciseFailed(f"'bound' must be \"memory\" or \"compute\", got {got['bound']!r}")
-        if not all(isinstance(got[k], int | float) and not isinstance(got[k], bool) for k in ROOFLINE_KEYS[:4]):
-            raise ExerciseFailed(f"intensity, ridge, attainable and seconds must be numbers, got {got!r}")
-        want = reference_roofline_point(*case)
-        wrong = [k for k in ROOFLINE_KEYS if not _same(got[k], want[k])]
-        if not wrong:
-            continue
-        explained = []  # mistakes that explain every wrong entry, the most specific first
-        for mistake, why in _ROOFLINE_MISTAKES.items():
-            theirs = reference_roofline_point(*case, mistake=mistake)
-            if all(_same(got[k], theirs[k]) for k in wrong):
-                explained.append((sum(not _same(theirs[k], want[k]) for k in ROOFLINE_KEYS), why))
-        if explained:
-            raise ExerciseFailed(min(explained)[1])
-        flops, nbytes, peak, bw = case
-        raise ExerciseFailed(f"flops={flops:.4g}, bytes_moved={nbytes:.4g}, peak_flops={peak:.4g}, "
-                             f"bandwidth={bw:.4g}: {', '.join(wrong)} wrong (got {got!r})")
-    return "min(peak, bandwidth * intensity), ridge = peak / bandwidth, time = the larger of the two"
+@exercise("12", "decode_regimes", forbidden=("labkit.grading.labs.lab12.reference_decode_regimes",))
+def decode_regimes(ns):
+    fn = require(ns, "decode_regimes")
+    machines = [(1.0e15, 3.35e12), (100e9, 20e9), (2.0e12, 0.1e12)]
+    batches, contexts = [1, 16, 256, 2048], [0, 1, 512, 4096, 32768]
+    for (name, (shape, kv_heads_list)), (peak, bandwidth) in zip(_SHAPES.items(), machines, strict=True):
+        for dtype_bytes in (2, 1):
+            args = (shape, kv_heads_list, batches, contexts, peak, bandwidth, dtype_bytes)
+            got = fn(dict(shape), list(kv_heads_list), list(batches), list(contexts), peak, bandwidth, dtype_bytes)
+            if not isinstance(got, dict) or set(got) != set(kv_heads_list):
+                raise ExerciseFailed(f"return a dict with one entry per K/V-head count {kv_heads_list}, got {got!r}")
+            want = reference_decode_regimes(*args)
+            for kv_heads, grid in got.items():
+                if not isinstance(grid, dict) or set(grid) != set(want[kv_heads]):
+                    keys = sorted(grid) if isinstance(grid, dict) else grid
+                    raise ExerciseFailed(f"{kv_heads} K/V heads: map every (batch, context) pair of the grid to "
+                                         f"(seconds, bound); got {keys}")
+                for step in grid.values():
+                    if isinstance(step, tuple | list) and len(step) == 2 and step[1] not in ("memory", "compute"):
+                        raise ExerciseFailed("the bound is what Lab 02's roofline says, \"memory\" or \"compute\"; "
+                                             f"got {step[1]!r}")
+            wrong = [(h, key) for h in want for key in want[h] if not _same_step(got[h][key], want[h][key])]
+            if not wrong:
+                continue
+            for mistake, why in _REGIME_MISTAKES.items():
+                theirs = reference_decode_regimes(*args, mistake=mistake)
+                if all(_same_step(got[h][key], theirs[h][key]) for h, key in wrong):
+                    raise ExerciseFailed(why)
+            h, (batch, context) = wrong[0]
+            raise ExerciseFailed(f"{name}'s shape with {h} K/V heads, batch {batch}, context {context}, "
+                                 f"dtype_bytes {dtype_bytes}, {peak:g} FLOP/s, {bandwidth:g} B/s: "
+                                 f"expected {want[h][batch, context]}, got {got[h][batch, context]!r}")
+    smollm2 = _SHAPES["SmolLM2-135M"][0]
+    for bad in ([2], [9, 0], [4, 3]):
+        try:
+            fn(dict(smollm2), bad, [1], [0], *machines[0], 2)
+        except ExerciseFailed:
+            raise
+        except Exception as error:  # noqa: BLE001 - which error the student raised is the point
+            raised = getattr(error, "type_name", type(error).__name__)  # a RemoteError names the student's type
+            if raised == "ValueError":
+                continue
+            raise ExerciseFailed(f"K/V heads {bad} for 9 query heads: raise a ValueError, not {raised}") from None
+        raise ExerciseFailed(f"K/V heads {bad} for 9 query heads: every K/V-head count must divide num_heads "
+                             "(and be at least 1); raise a ValueError naming the count")
+    if fn(dict(smollm2), [], [1], [0], *machines[0], 2) != {}:
+        raise ExerciseFailed("no K/V-head counts to price: return an empty dict")
+    return "each K/V-head count priced with its own weights and K/V reads, timed as flops / attainable"
 
 
 # ------------------------------------------------------- Exercise 2: KV bytes and sequences that fit
