@@ -324,6 +324,8 @@ WRONG = [
     Wrong("abort_request", "forgets the waiting queue", lambda *a: abort(*a, search_waiting=False,
                                                                       raise_unknown=False),
           "still in the waiting queue"),
+    Wrong("abort_request", "looks for the request in running only", lambda *a: abort(*a, search_waiting=False),
+          "still in the waiting queue"),
     Wrong("abort_request", "frees blocks others still hold", lambda *a: abort(*a, shared=False),
           "still held by another sequence"),
     Wrong("abort_request", "leaves the request in running", lambda *a: abort(*a, leave_running=True),
