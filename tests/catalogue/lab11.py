@@ -1,4 +1,4 @@
-"""Lab 11: one step's tensors, stop strings streamed with hold-back, an aborted request's blocks,
+"""Lab 11: one step's tensors, stop strings streamed with hold-back, aborting a request (with Lab 09's release),
 and the capstone (the engine with the student's own parts)."""
 
 import torch
@@ -105,49 +105,67 @@ def stream_by_suffix(pieces, stop, include):
     return out, None
 
 
-# --- release_blocks -------------------------------------------------------------------------------
-def release(block_table, blocks, free_uncached, free_cached, hash_to_block, *, shared=True, tail_first=True,
-            keep_hash=True, check_owner=True, clear_table=True, partial_cached=False):
-    order = reversed(block_table) if tail_first else list(block_table)
-    for block_id in order:
+# --- abort_request --------------------------------------------------------------------------------
+def release_blocks(block_table, hash_to_block, blocks, free_uncached, free_cached, *, tail_first=True, shared=True):
+    """Lab 09's release, as the student pastes it (with the wrong turns some take)."""
+    for block_id in reversed(block_table) if tail_first else list(block_table):
         block = blocks[block_id]
         block.ref_count = block.ref_count - 1 if shared else 0
         if block.ref_count > 0:
             continue
-        owner = hash_to_block.get(block.hash) == block_id if check_owner else block.hash in hash_to_block
-        if (block.hash is not None and owner) or partial_cached:
+        if block.hash is not None and hash_to_block.get(block.hash) == block_id:
             free_cached[block_id] = None
-            if not keep_hash:
-                block.hash = block.token_ids = None
         else:
             block.hash = block.token_ids = None
             free_uncached.append(block_id)
-    if clear_table:
-        block_table.clear()
 
 
-def release_drop_entries(block_table, blocks, free_uncached, free_cached, hash_to_block):
-    release(block_table, blocks, free_uncached, free_cached, hash_to_block)
-    hash_to_block.clear()
+def abort(request_id, waiting, running, blocks, hash_to_block, free_uncached, free_cached, *, search_waiting=True,
+          leave_running=False, raise_unknown=True, only_first_sample=False, clear_table=True, count_table=False,
+          reason="abort", **release):
+    queues = (waiting, running) if search_waiting else (running,)
+    samples = sorted((s for queue in queues for s in queue if s.request_id == request_id), key=lambda s: s.index)
+    if not samples and raise_unknown:
+        raise ValueError(f"no unfinished request with id {request_id!r}")
+    for queue in queues if not leave_running else (waiting,):
+        for sample in [s for s in queue if s.request_id == request_id]:
+            queue.remove(sample)
+    free_before = len(free_uncached) + len(free_cached)
+    freed_entries = 0
+    for sample in samples[:1] if only_first_sample else samples:
+        freed_entries += len(sample.block_table)
+        release_blocks(sample.block_table, hash_to_block, blocks, free_uncached, free_cached, **release)
+        if clear_table:
+            sample.block_table = []
+        sample.finish_reason = reason
+    return samples, freed_entries if count_table else len(free_uncached) + len(free_cached) - free_before
 
 
-def release_by_index(block_table, blocks, free_uncached, free_cached, hash_to_block):
-    for i in range(len(block_table) - 1, -1, -1):
-        block = blocks[block_table.pop(i)]
-        block.ref_count -= 1
-        if block.ref_count:
-            continue
-        if block.hash in hash_to_block and hash_to_block[block.hash] == block.block_id:
-            free_cached[block.block_id] = None
-        else:
-            block.hash, block.token_ids = None, None
-            free_uncached.append(block.block_id)
+def abort_by_index(request_id, waiting, running, blocks, hash_to_block, free_uncached, free_cached):
+    """Another correct style: samples gathered by index while the queues are rebuilt, the freed blocks
+    counted by their reference counts."""
+    found = {}
+    for queue in (waiting, running):
+        kept = [s for s in queue if s.request_id != request_id]
+        found.update({s.index: s for s in queue if s.request_id == request_id})
+        queue.clear()
+        queue.extend(kept)
+    if not found:
+        raise ValueError(f"request {request_id} is neither waiting nor running")
+    freed = 0
+    for index in sorted(found):
+        table = found[index].block_table
+        freed += sum(blocks[b].ref_count == 1 for b in table)
+        release_blocks(table, hash_to_block, blocks, free_uncached, free_cached)
+        table.clear()
+        found[index].finish_reason = "abort"
+    return [found[i] for i in sorted(found)], freed
 
 
-def release_with_labkit(block_table, blocks, free_uncached, free_cached, hash_to_block):
-    from labkit.cache.block_manager import BlockManager
+def abort_with_labkit(request_id, waiting, running, blocks, hash_to_block, free_uncached, free_cached):
+    from labkit.engine.scheduler import Scheduler
 
-    BlockManager.deallocate(None, None)
+    Scheduler.abort(None, None)
 
 
 # --- capstone -------------------------------------------------------------------------------------
@@ -264,8 +282,8 @@ RIGHT = [
     Right("prepare_step", "vectorized with repeat_interleave", step_vectorized),
     Right("stop_stream", "search back max(len) - 1 characters, min over the matches", stream),
     Right("stop_stream", "per-stop search window and an early return", stream_by_suffix),
-    Right("release_blocks", "reversed loop over the table", lambda *a: release(*a)),
-    Right("release_blocks", "pop from the tail by index", release_by_index),
+    Right("abort_request", "queues searched, samples sorted by index", lambda *a: abort(*a)),
+    Right("abort_request", "queues rebuilt, samples gathered by index", abort_by_index),
     Right("CapstoneParts", "staticmethods on a class", parts()),
     Right("CapstoneParts", "attributes set in __init__, a vectorized step", parts_as_methods()),
 ]
@@ -303,19 +321,28 @@ WRONG = [
           "the earliest match in the text wins"),
     Wrong("stop_stream", "calls find_stop_string", stream_with_labkit, "`find_stop_string` is labkit's answer",
           calls="labkit.sampling.stop.find_stop_string"),
-    Wrong("release_blocks", "frees shared blocks", lambda *a: release(*a, shared=False), "shared with another"),
-    Wrong("release_blocks", "head first", lambda *a: release(*a, tail_first=False), "release the tail first"),
-    Wrong("release_blocks", "clears cached blocks' hashes", lambda *a: release(*a, keep_hash=False),
-          "lost its hash"),
-    Wrong("release_blocks", "caches a duplicate block", lambda *a: release(*a, check_owner=False),
-          "points at another block with the same content"),
-    Wrong("release_blocks", "keeps the block table", lambda *a: release(*a, clear_table=False),
+    Wrong("abort_request", "forgets the waiting queue", lambda *a: abort(*a, search_waiting=False,
+                                                                      raise_unknown=False),
+          "still in the waiting queue"),
+    Wrong("abort_request", "looks for the request in running only", lambda *a: abort(*a, search_waiting=False),
+          "still in the waiting queue"),
+    Wrong("abort_request", "frees blocks others still hold", lambda *a: abort(*a, shared=False),
+          "still held by another sequence"),
+    Wrong("abort_request", "leaves the request in running", lambda *a: abort(*a, leave_running=True),
+          "still in `running`"),
+    Wrong("abort_request", "releases head first", lambda *a: abort(*a, tail_first=False), "tail first"),
+    Wrong("abort_request", "a finished or unknown id is a silent no-op", lambda *a: abort(*a, raise_unknown=False),
+          "raise ValueError naming the id"),
+    Wrong("abort_request", "releases only sample 0", lambda *a: abort(*a, only_first_sample=True),
+          "call release_blocks on every sample's table"),
+    Wrong("abort_request", "keeps the block table", lambda *a: abort(*a, clear_table=False),
           "still lists its blocks"),
-    Wrong("release_blocks", "caches partial blocks", lambda *a: release(*a, partial_cached=True),
-          "without a hash"),
-    Wrong("release_blocks", "drops the hash entries", release_drop_entries, "the hash table changed"),
-    Wrong("release_blocks", "calls BlockManager.deallocate", release_with_labkit, "`deallocate` is labkit's answer",
-          calls="labkit.cache.block_manager.BlockManager.deallocate"),
+    Wrong("abort_request", "counts table entries as freed", lambda *a: abort(*a, count_table=True),
+          "not the table entries"),
+    Wrong("abort_request", "finish reason 'aborted'", lambda *a: abort(*a, reason="aborted"),
+          "finish_reason 'abort'"),
+    Wrong("abort_request", "calls the scheduler's abort", abort_with_labkit, "`abort` is labkit's answer",
+          calls="labkit.engine.scheduler.Scheduler.abort"),
     *[Wrong("CapstoneParts", name, parts(**replaced), feedback) for name, replaced, feedback in WRONG_CAPSTONE],
     Wrong("CapstoneParts", "plugs in labkit's own step", parts(prepare_step=labkit_prepare),
           "`labkit_prepare_step` is labkit's answer", calls="labkit.engine.parts.labkit_prepare_step"),

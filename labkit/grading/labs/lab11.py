@@ -1,15 +1,16 @@
 """Lab 11: the engine step by hand. One step's tensors (against labkit's ModelRunner.prepare on real
-scheduler states), stop strings streamed with hold-back, releasing an aborted request's blocks, and
+scheduler states), stop strings streamed with hold-back, aborting a request with Lab 09's release, and
 the capstone: labkit's engine on SmolLM2 run with the student's own parts."""
 
 import functools
 import random
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from labkit.cache.block_manager import Block, BlockManager, hash_block
+from labkit.cache.block_manager import Block, BlockManager
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.grading import ExerciseFailed, exercise, require
 from labkit.sampling.stop import find_stop_string
@@ -244,103 +245,200 @@ def _diagnose_stop(got, want, pieces, stop, include) -> str:
            f"the rest after the last piece. {where}"
 
 
-# --- exercise 3: abort returns the blocks --------------------------------------------------------
-def reference_release(block_table, blocks, free_uncached, free_cached, hash_to_block) -> None:
-    """BlockManager's release: the tail first, one reference per block; a block nobody holds keeps
-    its hash in the LRU list if the hash table points at it, else it is cleared."""
-    for block_id in reversed(block_table):
-        block = blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count > 0:
-            continue
-        if block.hash is not None and hash_to_block.get(block.hash) == block_id:
-            free_cached[block_id] = None
-        else:
-            block.hash = block.token_ids = None
-            free_uncached.append(block_id)
-    block_table.clear()
+# --- exercise 3: abort a request, with Lab 09's release -----------------------------------------
+@dataclass
+class Sample:
+    """One sample (sequence) of a request as the abort exercise sees it: labkit's Sequence reduced
+    to what abort reads and changes."""
+
+    request_id: int
+    index: int  # sample `index` of its request (SamplingParams.n); 0 is the request's first
+    block_table: list[int]
+    finish_reason: str | None = None
 
 
-def _pool_state():
-    """A pool where one sequence (the one to abort) holds hashed, shared, duplicate and partial blocks."""
-    blocks = [Block(i) for i in range(12)]
-    hash_to_block, prev = {}, None
-    table = [3, 7, 1, 9, 4]
-    for i, block_id in enumerate(table[:4]):  # four full computed blocks, the fifth partial
-        tokens = tuple(range(10 * i, 10 * i + 4))
-        prev = hash_block(prev, tokens)
-        blocks[block_id].hash, blocks[block_id].token_ids, blocks[block_id].ref_count = prev, tokens, 1
-        hash_to_block[prev] = block_id
-    blocks[table[4]].ref_count = 1
-    blocks[7].ref_count = 2  # shared with a sibling sample
-    hash_to_block[blocks[1].hash] = 11  # block 1 duplicates a block cached elsewhere (11)
-    blocks[11].hash, blocks[11].token_ids = blocks[1].hash, blocks[1].token_ids
-    free_uncached = deque([0, 2, 5])
-    free_cached = OrderedDict([(11, None)])
-    for i in (6, 8, 10):
-        blocks[i].ref_count = 1
-    return table, blocks, free_uncached, free_cached, hash_to_block
+UNKNOWN_REQUEST = 999
 
 
-def _state(blocks, free_uncached, free_cached, hash_to_block):
-    return ([(b.ref_count, b.hash, b.token_ids) for b in blocks], list(free_uncached), list(free_cached),
-            dict(hash_to_block))
+def abort_scene():
+    """A real scheduler mid-run, blocks of 8 tokens: request A runs as three samples sharing its
+    prompt's blocks, B hit A's first two blocks in the prefix cache, C is halfway through a chunked
+    prefill, D waits, E has finished. Returns (scheduler, {name: request id})."""
+    from labkit.engine import Scheduler, SchedulerConfig, Sequence
+    from labkit.engine.sequence import FinishReason
+    from labkit.sampling import SamplingParams
+
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, max_model_len=128)
+    scheduler = Scheduler(config, BlockManager(32, 8), PagedKVStorage(1, 32, 8, 1, 4))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    system = list(range(500, 517))  # two full blocks and one token
+    a, e = Sequence(system + [1, 2, 3], params), Sequence([800, 801, 802], SamplingParams(max_tokens=1))
+    b, c, d = Sequence(system + [7] * 6, params), Sequence(list(range(600, 660)), params), Sequence([9] * 20, params)
+    token = 1000
+    for step, arrivals in enumerate([[a, e], [b, c], []]):
+        for seq in arrivals:
+            scheduler.add(seq)
+        out = scheduler.schedule()
+        if step == 0:  # A's first token is drawn: it becomes three samples sharing its blocks
+            for index in (1, 2):
+                child = a.fork(100 + index, params, index)
+                scheduler.fork(a, child)
+                a.group.append(child)
+                out.seqs.append(child)
+                out.num_new_tokens.append(out.num_new_tokens[out.seqs.index(a)])
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if seq.num_cached_tokens + n == seq.num_tokens:
+                seq.append_token(token)
+                token += 1
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    seq.finish(FinishReason.MAX_TOKENS)
+        scheduler.postprocess(out)
+    scheduler.add(d)
+    for seq in scheduler.running:  # what deallocate does first: hash the computed full blocks
+        scheduler.block_manager.cache_computed_blocks(seq)
+    return scheduler, {name: seq.request_id for name, seq in zip("ABCDE", (a, b, c, d, e), strict=True)}
 
 
-@exercise("11", "release_blocks", forbidden=("labkit.cache.block_manager.BlockManager.deallocate",
-                                             "labkit.cache.block_manager.BlockManager._release_table",
-                                             "labkit.grading.labs.lab11.reference_release"))
-def release_blocks(ns):
-    fn = require(ns, "release_blocks")
-    for case in range(3):
-        args = _pool_state()
-        want_args = _pool_state()
-        if case == 1:  # nothing shared, nothing duplicated
-            for a in (args, want_args):
-                a[1][7].ref_count = 1
-        if case == 2:  # a sequence with one partial block
-            args, want_args = ([4], *args[1:]), ([4], *want_args[1:])
-        result = fn(*args)
-        reference_release(*want_args)
-        if result is not None:
-            raise ExerciseFailed("release_blocks works in place and returns None")
-        got, want = _state(*args[1:]), _state(*want_args[1:])
-        if got == want and args[0] == []:
-            continue
-        raise ExerciseFailed(_diagnose_release(args, got, want))
-    return "every reference dropped, cached blocks kept for reuse (tail first), the rest cleared"
+def _view(scheduler):
+    """The exercise's arguments for a scheduler's state (copies: the scheduler stays as it is)."""
+    bm = scheduler.block_manager
+    samples = [[Sample(s.request_id, s.index, list(s.block_table)) for s in queue]
+               for queue in (scheduler.waiting, scheduler.running)]
+    return (deque(samples[0]), samples[1], [Block(b.block_id, b.ref_count, b.hash, b.token_ids) for b in bm.blocks],
+            dict(bm.hash_to_block), deque(bm._free_uncached), OrderedDict(bm._free_cached))
 
 
-def _diagnose_release(args, got, want) -> str:
-    refs, uncached, cached, table = got
-    want_refs, want_uncached, want_cached, want_table = want
-    if args[0] != []:
-        return "the sequence still lists its blocks: empty its block table (it holds nothing now)"
-    if refs[7][0] == 0 and want_refs[7][0] == 1:
-        return "a block shared with another sequence (ref_count 2) was freed: drop one reference, free it at 0"
-    if any(r[0] < 0 for r in refs):
-        return "a ref_count went below 0"
-    if [r[0] for r in refs] != [r[0] for r in want_refs]:
-        return "drop one reference (ref_count -= 1) for every block of the sequence"
-    if table != want_table:
-        return "the hash table changed: a released block keeps its entry, so a later prompt can hit it"
-    if any(r[1] is None for r, w in zip(refs, want_refs, strict=True) if w[1] is not None):
-        return "a cached block lost its hash: keep the hash and tokens of a block the table points at, so it " \
-               "can be hit again (until it is evicted)"
-    if 4 in cached:
-        return "a block without a hash (partial, never computed) went to the cached list: it goes to the " \
-               "uncached list"
-    if 1 in cached:
-        return "block 1 went to the cached list, but the hash table points at another block with the same " \
-               "content (11): only the block the table points at can be found again; clear the others"
-    if set(cached) == set(want_cached) and set(uncached) == set(want_uncached):
-        return (f"free lists in the wrong order ({cached} cached, {uncached} uncached; expected {want_cached}, "
-                f"{want_uncached}): release the tail first, so LRU eviction takes a prompt's last blocks first")
-    if any(b in uncached for b in want_cached):
-        return "a computed block the hash table points at went to the uncached list: keep it in free_cached " \
-               "(LRU) so a later prompt can reuse it"
-    return f"after the release: expected ref counts/hashes {want_refs}, free {want_uncached} + {want_cached}; got " \
-           f"{refs}, {uncached} + {cached}"
+def reference_abort(scheduler, request_id):
+    """labkit's LLM.abort on the scheduler: every sample of the request, in index order; an id with
+    no unfinished sample is an error. Returns ([(index, finish_reason)], blocks returned)."""
+    group = [s for s in scheduler.waiting + scheduler.running if s.request_id == request_id]
+    if not group:
+        raise ValueError(f"no unfinished request with id {request_id!r}")
+    free = scheduler.block_manager.num_free_blocks
+    for seq in sorted(group, key=lambda s: s.index):
+        scheduler.abort(seq)
+    return [(s.index, str(s.finish_reason)) for s in sorted(group, key=lambda s: s.index)], \
+        scheduler.block_manager.num_free_blocks - free
+
+
+def _pool(view):
+    waiting, running, blocks, hash_to_block, free_uncached, free_cached = view
+    return ([(s.request_id, s.index, list(s.block_table)) for s in waiting],
+            [(s.request_id, s.index, list(s.block_table)) for s in running],
+            [(b.ref_count, b.hash, b.token_ids) for b in blocks], dict(hash_to_block), list(free_uncached),
+            list(free_cached))
+
+
+ABORT_CASES = ["A", "B", "C", "D", "E", "unknown", "AA", "BAC", "DC"]
+
+
+@exercise("11", "abort_request", forbidden=("labkit.engine.scheduler.Scheduler.abort", "labkit.engine.llm.LLM.abort",
+                                            "labkit.cache.block_manager.BlockManager.deallocate",
+                                            "labkit.cache.block_manager.BlockManager._release_table",
+                                            "labkit.grading.labs.lab11.reference_abort"))
+def abort_request(ns):
+    fn = require(ns, "abort_request")
+    for case in ABORT_CASES:
+        scheduler, ids = abort_scene()
+        view = _view(scheduler)
+        names = [case] if case == "unknown" else list(case)
+        for name in names:
+            request_id = ids.get(name, UNKNOWN_REQUEST)
+            where = _where_abort(name, request_id, scheduler, case)
+            try:
+                want = reference_abort(scheduler, request_id)
+            except ValueError:
+                want = None
+            before = _pool(view)
+            try:
+                got, raised = fn(request_id, *view), False
+            except (NotImplementedError, ExerciseFailed):
+                raise
+            except Exception as error:  # a student's exception crosses as a RemoteError naming its type
+                if getattr(error, "type_name", type(error).__name__) != "ValueError":
+                    raise
+                got, raised = None, True
+            if raised and want is not None:
+                waits = any(s.request_id == request_id for s in view[0])
+                raise ExerciseFailed("raised ValueError for a request still in the waiting queue: look there too, a "
+                                     f"waiting request is aborted like a running one. {where}" if waits else
+                                     f"raised ValueError although the request is running: {where}")
+            if raised:
+                if _pool(view) != before:
+                    raise ExerciseFailed(f"raised ValueError but changed the queues or the pool first: {where}")
+                continue
+            if want is None:
+                raise ExerciseFailed(_diagnose_missing(got, before, _pool(view), where))
+            _compare_abort(got, want, view, scheduler, where)
+    return "found wherever it waits or runs, every sample released through release_blocks, the pool as labkit's"
+
+
+def _where_abort(name, request_id, scheduler, case) -> str:
+    what = {"A": "request A (three running samples sharing their prompt's blocks, two of them also hit by B)",
+            "B": "request B (running; its first two blocks are A's, hit in the prefix cache)",
+            "C": "request C (running, halfway through a chunked prefill)", "D": "request D (waiting, no blocks yet)",
+            "E": "request E (already finished)", "unknown": f"an unknown request id ({UNKNOWN_REQUEST})"}[name]
+    again = " a second time" if case == "AA" and name == "A" and not any(
+        s.request_id == request_id for s in scheduler.running) else ""
+    order = f" (aborts in order: {' then '.join(case)})" if len(case) > 1 and case != "unknown" else ""
+    return f"aborting {what}{again}{order}"
+
+
+def _diagnose_missing(got, before, after, where) -> str:
+    if after != before:
+        return f"released blocks of a request that has nothing left to abort (a finished, aborted or unknown id): " \
+               f"raise ValueError and change nothing. {where}"
+    return f"returned {got!r} for a request that is not waiting or running: raise ValueError naming the id. {where}"
+
+
+def _compare_abort(got, want, view, scheduler, where):
+    want_samples, want_freed = want
+    want_view = _pool(_view(scheduler))
+    pool = _pool(view)
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], list)):
+        raise ExerciseFailed(f"return (the aborted samples in index order, the number of blocks returned), got "
+                             f"{got!r}. {where}")
+    samples, freed = got
+    if any(not isinstance(s, Sample) for s in samples):
+        raise ExerciseFailed(f"the first item returned should list the request's Sample records. {where}")
+    if pool[0] != want_view[0]:
+        raise _failure("the request is still in the waiting queue: a waiting request is aborted too (it holds no "
+                       "blocks yet, so there is only the queue to leave)" if len(pool[0]) > len(want_view[0]) else
+                       "the waiting queue changed beyond removing the request's samples", where)
+    if [s[:2] for s in pool[1]] != [s[:2] for s in want_view[1]]:
+        still = len(pool[1]) > len(want_view[1])
+        raise _failure("a sample of the request is still in `running`: remove every sample of it, or the scheduler "
+                       "would run it again" if still else "`running` lost samples of other requests", where)
+    refs, want_refs = [r[0] for r in pool[2]], [r[0] for r in want_view[2]]
+    if refs != want_refs:
+        if any(r < w for r, w in zip(refs, want_refs, strict=True)):
+            if any(r == 0 < w for r, w in zip(refs, want_refs, strict=True)):
+                raise _failure("a block still held by another sequence (a sibling sample or a prefix-cache hit) was "
+                               "freed: release each sample's table once, through release_blocks, which drops one "
+                               "reference per block", where)
+            raise _failure("dropped too many references: each sample's table is released exactly once", where)
+        raise _failure("a sample's blocks were not released: call release_blocks on every sample's table (siblings "
+                       "share the prompt's blocks; each holds one reference)", where)
+    if pool[2:] != want_view[2:]:
+        if sorted(pool[4]) == sorted(want_view[4]) and sorted(pool[5]) == sorted(want_view[5]):
+            raise _failure(f"free lists in another order than labkit's ({pool[4]} uncached, {pool[5]} cached; "
+                           f"expected {want_view[4]}, {want_view[5]}): release the samples in index order, each "
+                           f"with Lab 09's release_blocks (tail first)", where)
+        raise _failure(f"the pool differs from labkit's after abort: ref counts/hashes, hash table and free lists "
+                       f"should be {want_view[2:]}, got {pool[2:]}", where)
+    if [(s.index, s.finish_reason) for s in samples] != want_samples:
+        raise _failure(f"return every aborted sample in index order with finish_reason 'abort': expected "
+                       f"{want_samples}, got {[(s.index, s.finish_reason) for s in samples]}", where)
+    if any(s.block_table for s in samples):
+        raise _failure("an aborted sample still lists its blocks: release_blocks leaves the table as it is, so the "
+                       "caller empties it (the sample holds nothing now)", where)
+    if freed != want_freed:
+        raise _failure(f"{freed} blocks reported returned to the pool, labkit returns {want_freed}: count the blocks "
+                       f"that reached ref_count 0 (both free lists grew by them), not the table entries", where)
+
+
+def _failure(message, where) -> ExerciseFailed:
+    return ExerciseFailed(f"{message}. {where}")
 
 
 # --- capstone: labkit's engine with the student's parts -----------------------------------------
