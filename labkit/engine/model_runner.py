@@ -64,8 +64,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs = decode_graphs
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
-        """Flatten one scheduled step into the model's inputs and the attention metadata."""
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
+                num_scored: list[int] | None = None) -> StepInputs:
+        """Flatten one scheduled step into the model's inputs and the attention metadata.
+
+        `num_scored[i]`: how many of seqs[i]'s last rows get logits if it is sampled (default 1;
+        speculative decoding scores every draft)."""
         input_ids: list[int] = []
         starts, ends, tables, sampled_seqs, is_sampled = [], [], [], [], []
         for seq, n in zip(seqs, num_new_tokens, strict=True):
@@ -91,7 +95,11 @@ class ModelRunner:
         block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
         blocks = block_tables[seq_index, positions // self.block_size].to(torch.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
-        sample_rows = (cu_q[1:] - 1)[torch.tensor(is_sampled)]
+        if num_scored is None:
+            sample_rows = (cu_q[1:] - 1)[torch.tensor(is_sampled)]
+        else:
+            sample_rows = torch.tensor([row for i, m in enumerate(num_scored) if is_sampled[i]
+                                        for row in range(int(cu_q[i + 1]) - m, int(cu_q[i + 1]))], dtype=torch.int64)
         meta = AttentionMetadata(
             cu_seqlens_q=cu_q.to(dev), cu_seqlens_k=cu_k.to(dev),
             max_seqlen_q=max(num_new_tokens), max_seqlen_k=max(ends),
@@ -101,9 +109,11 @@ class ModelRunner:
         return StepInputs(ids, positions.to(dev), meta, sample_rows.to(dev), sampled_seqs)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardOutput:
-        """One forward step: fp32 logits of the sequences due a next token, and any prompt logits asked for."""
-        step = self.prepare(seqs, num_new_tokens)
+    def forward(self, seqs: list[Sequence], num_new_tokens: list[int],
+                num_scored: list[int] | None = None) -> ForwardOutput:
+        """One forward step: fp32 logits of the sequences due a next token (`num_scored` rows each,
+        see `prepare`), and any prompt logits asked for."""
+        step = self.prepare(seqs, num_new_tokens, num_scored)
         graphs = self.decode_graphs
         if (graphs is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)
                 and graphs.fits(len(seqs), step.meta.block_tables.shape[1])
