@@ -44,6 +44,17 @@ def test_greedy_output_is_the_plain_engines(plain_tokens, spec, engine_kwargs):
     assert_no_leak(llm)
 
 
+def test_metrics_count_each_run_after_a_reset():
+    llm = tiny_engine(speculative=SpeculativeConfig("ngram", 3))
+    llm.generate(PROMPTS, GREEDY)
+    first = (llm.metrics.num_draft_tokens, llm.metrics.num_accepted_draft_tokens, llm.metrics.num_verify_passes)
+    llm.reset_metrics()
+    llm.generate(PROMPTS, GREEDY)  # the same work again: the same counts, not twice them
+    assert (llm.metrics.num_draft_tokens, llm.metrics.num_accepted_draft_tokens,
+            llm.metrics.num_verify_passes) == first
+    assert_no_leak(llm)
+
+
 def test_rollback_leaves_each_table_no_longer_than_its_tokens_need():
     model, _ = tiny_model()
     llm = tiny_engine(speculative=SpeculativeConfig("draft_model", 4, draft_model=first_layers(model, 1)))

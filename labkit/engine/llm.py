@@ -367,8 +367,9 @@ class LLM:
         m.prefix_cache_hit_tokens = self.block_manager.stats.hit_tokens
         if self.speculative is not None:
             spec = self.speculative
-            m.num_draft_tokens, m.num_accepted_draft_tokens = spec.num_draft_tokens, spec.num_accepted_tokens
-            m.num_verify_passes = spec.num_verify_passes
+            m.num_draft_tokens += spec.num_draft_tokens
+            m.num_accepted_draft_tokens += spec.num_accepted_tokens
+            m.num_verify_passes += spec.num_verify_passes
 
     def _finalize(self, seq: Sequence) -> None:
         """Keep the output of a finished request (`seq` is its sample 0) for its owner; forget the request."""

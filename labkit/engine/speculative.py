@@ -184,7 +184,8 @@ def check_supported(params: SamplingParams) -> None:
 
 class SpeculativeDecoder:
     """Runs the engine's step with drafts: propose, grow the block tables, verify in one forward,
-    roll back. Counters: drafts proposed, drafts accepted, and verify passes (sequence-steps)."""
+    roll back. Counters of the last step, for the engine's metrics: drafts proposed, drafts
+    accepted, and verify passes (sequences whose drafts were checked)."""
 
     def __init__(self, config: SpeculativeConfig, runner, block_manager, storage, scheduler_config,
                  vocab_size: int):
@@ -200,7 +201,7 @@ class SpeculativeDecoder:
         self.runner, self.block_manager, self.storage = runner, block_manager, storage
         self.scheduler_config = scheduler_config
         self._generators: dict[int, torch.Generator] = {}
-        self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_passes = 0
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_passes = 0  # of the last step
 
     def generator(self, seq: Sequence) -> torch.Generator:
         """One generator per sequence: seeded by the request's seed, else from torch's global one."""
@@ -216,6 +217,7 @@ class SpeculativeDecoder:
     def step(self, out: SchedulerOutput) -> dict[Sequence, list[int]]:
         """Run the scheduled step with drafts; returns the tokens each sampled sequence gains, in
         order, and leaves `out.num_new_tokens` at what each sequence computed for good."""
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_passes = 0
         drafts = self._propose(out)
         scored = [1 + len(drafts[s].tokens) if s in drafts else 1 for s in out.seqs]
         try:
