@@ -161,6 +161,8 @@ def test_bad_options_are_named():
         first_layers(model, 3)
     with pytest.raises(TypeError, match="SpeculativeConfig"):
         tiny_engine(speculative={"method": "ngram"})
+    with pytest.raises(ValueError, match="unquantized KV cache"):
+        tiny_engine(speculative=SpeculativeConfig("ngram"), kv_cache_dtype="int8")
     small_vocab = type(model)(type(model.config)(**{**model.config.__dict__, "vocab_size": 100}))
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_engine(speculative=SpeculativeConfig("draft_model", draft_model=small_vocab))

@@ -93,6 +93,11 @@ class LLM:
         self.runner = ModelRunner(self.model, self.storage, backend, graphs)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
+        if speculative is not None and self.storage.quant is not None:
+            # A rejected draft may have grown its block's scale and re-rounded the codes before it:
+            # rolling back the tokens would not roll back the cache.
+            raise ValueError(f"speculative decoding needs an unquantized KV cache, got kv_cache_dtype="
+                             f"{kv_cache_dtype!r}: rejected drafts would leave their mark on the block scales")
         self.speculative = None if speculative is None else SpeculativeDecoder(
             speculative, self.runner, self.block_manager, self.storage, self.scheduler.config, config.vocab_size)
         self.eos_token_id = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
