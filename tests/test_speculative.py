@@ -175,3 +175,37 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="beam_search"):
         llm.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=2))
     assert_no_leak(llm)
+
+
+def test_engine_sampling_with_drafts_follows_the_target_distribution():
+    """Through the whole engine: a model of 8 tokens, a prompt in which every token recurs (prompt
+    lookup always drafts), and the pair (t1, t2) of the first two output tokens over 1000 seeded
+    requests. t1 comes from the prefill; t2 is the first token a verifying forward emits, so given t1
+    it must follow the model's own p(t2 | prompt, t1): one chi-square test over the 8 rows (56 degrees
+    of freedom, p-value from torch's regularized incomplete gamma function)."""
+    _, tokenizer = tiny_model()
+    from labkit.model.config import ModelConfig
+    from labkit.model.decoder import DecoderModel
+
+    config = ModelConfig("llama", vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=None)
+    torch.manual_seed(3)
+    model = DecoderModel(config).eval()
+    prompt = list(range(8)) * 2
+    with torch.inference_mode():
+        rows = torch.stack([torch.softmax(model(torch.tensor(prompt + [t]))[-1], -1) for t in range(8)]).double()
+    llm = LLM(model, tokenizer=tokenizer, num_kvcache_blocks=256, max_num_seqs=64, max_model_len=64,
+              speculative=SpeculativeConfig("ngram", 3))
+    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(1000)]
+    outputs = llm.generate([prompt] * len(params), params)
+    counts = torch.zeros(8, 8, dtype=torch.double)
+    for o in outputs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    assert llm.metrics.num_accepted_draft_tokens > 0
+    expected = counts.sum(1, keepdim=True) * rows
+    statistic = float(((counts - expected) ** 2 / expected.clamp_min(1e-12)).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor(56 / 2, dtype=torch.double),
+                                            torch.tensor(statistic / 2, dtype=torch.double)))
+    assert p_value > 0.001, (statistic, counts)
+    assert_no_leak(llm)
