@@ -209,3 +209,17 @@ def test_engine_sampling_with_drafts_follows_the_target_distribution():
                                             torch.tensor(statistic / 2, dtype=torch.double)))
     assert p_value > 0.001, (statistic, counts)
     assert_no_leak(llm)
+
+
+def test_stream_and_stop_strings_see_every_verified_token(plain_tokens):
+    """Several tokens arrive per step: streaming still yields the whole text, and a stop token that
+    falls among accepted drafts ends the request there, as without speculation."""
+    llm = tiny_engine(speculative=SpeculativeConfig("ngram", 3))
+    text = llm.generate(PROMPTS[0], GREEDY)[0].text
+    assert "".join(llm.stream(PROMPTS[0], GREEDY)) == text
+    stop_at = plain_tokens[0][5]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at])
+    plain = tiny_engine().generate(PROMPTS[0], params)[0]
+    speculated = llm.generate(PROMPTS[0], params)[0]
+    assert speculated.token_ids == plain.token_ids and speculated.finish_reason == plain.finish_reason
+    assert_no_leak(llm)
