@@ -21,6 +21,7 @@ RIGHT = {
     "11": {1: 7, 2: 1, 3: 73, 4: "b", 5: "a"},
     "12": {1: 7680, 2: 299, 3: "a", 4: "c", 5: "b"},
     "13": {1: 271, 2: 5, 3: "b", 4: "c", 5: "a"},
+    "14": {1: 3.36, 2: 1, 3: "c", 4: "a", 5: "b"},
     "15": {1: 6912000, 2: "b", 3: 7.4, 4: "c", 5: "a"},
 }
 
@@ -153,6 +154,17 @@ WRONG = {
         ({3: "d"}, "thinks prefix caching fixes the scale"),
         ({4: "a"}, "thinks per-channel scales save bytes"),
         ({5: "b"}, "thinks quantization is lossless"),
+    ],
+    "14": [
+        ({1: 2.95}, "forgot the bonus token: (1 - alpha^k) / (1 - alpha)"),
+        ({1: 3.2}, "multiplied k by alpha"),
+        ({1: 5}, "assumed every draft is accepted"),
+        ({2: 4}, "thinks each draft needs its own target forward"),
+        ({2: 5}, "counted a forward for the bonus token"),
+        ({3: "a"}, "thinks the drafter must be a copy of the target"),
+        ({3: "d"}, "confuses the KV rollback with what makes the tokens equal"),
+        ({4: "c"}, "thinks the residual only avoids repeating the rejected token"),
+        ({5: "a"}, "thinks the target runs faster on repetitive text"),
     ],
     "15": [
         ({1: 3456000}, "counted one all-reduce per layer"),

@@ -292,6 +292,21 @@ class BlockManager:
             prev = block.hash
 
     # ---- release ---------------------------------------------------------------------------
+    def truncate(self, seq: SequenceBlocks, num_tokens: int) -> None:
+        """Free the tail blocks `seq` needs no more once it holds `num_tokens` tokens: speculative
+        decoding's rollback of rejected draft tokens. Computed tokens cannot be cut."""
+        if num_tokens < seq.num_cached_tokens:
+            raise ValueError(f"cannot truncate sequence {seq.seq_id!r} to {num_tokens} tokens: "
+                             f"{seq.num_cached_tokens} are computed already")
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:  # never computed: no hash to keep
+                block.hash = block.token_ids = None
+                self._free_uncached.append(block_id)
+        del seq.block_table[keep:]
+
     def deallocate(self, seq: SequenceBlocks) -> None:
         """Free everything a sequence holds (finish, abort, preemption by recomputation).
 

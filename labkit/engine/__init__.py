@@ -14,6 +14,7 @@ _EXPORTS = {
     "SchedulerOutput": "labkit.engine.scheduler",
     "FinishReason": "labkit.engine.sequence", "Sequence": "labkit.engine.sequence",
     "SequenceStatus": "labkit.engine.sequence",
+    "SpeculativeConfig": "labkit.engine.speculative",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,6 +6,7 @@
     outputs[0].outputs[i]          # sample i of n (SamplingParams(n=...)): .text, .token_ids, .logprobs
     llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, max_tokens=8))
     LLM("smollm2", kv_cache_dtype="int8")     # K/V as int8 with per-block scales: ~4x the fp32 blocks
+    LLM("smollm2", speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))  # see speculative.py
 
 Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model
 runner runs one forward pass over it, the engine samples (forking a request's n samples off its
@@ -38,6 +39,7 @@ from labkit.engine.model_runner import ModelRunner
 from labkit.engine.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
 from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from labkit.engine.sequence import FinishReason, Sequence
+from labkit.engine.speculative import SpeculativeConfig, SpeculativeDecoder, check_supported
 from labkit.model import DecoderModel, load_model
 from labkit.sampling import BeamSearchParams, SamplingParams, check_stop
 from labkit.sampling.logprobs import compute_logprobs
@@ -52,7 +54,8 @@ class LLM:
                  long_prefill_token_threshold: int = 0, priority_aging_steps: int | None = 50,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
-                 use_cuda_graph: bool = True, kv_cache_dtype: str = "auto", parts=None):
+                 use_cuda_graph: bool = True, kv_cache_dtype: str = "auto",
+                 speculative: SpeculativeConfig | None = None, parts=None):
         """`parts`: an `EngineParts` (labkit/engine/parts.py) whose functions replace the engine's own
         sampling filters, prefix lookup, free-block choice, scheduling rule and step preparation."""
         if isinstance(model, DecoderModel):  # already loaded: several engines can share one model
@@ -93,6 +96,18 @@ class LLM:
                                             capture_sizes(max_num_seqs, max_num_batched_tokens, num_kvcache_blocks),
                                             -(-max_model_len // block_size), max_model_len)
         self.runner = components.model_runner(self.model, self.storage, backend, graphs)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
+        if speculative is not None and parts is not None:
+            raise ValueError("speculative decoding runs with labkit's own parts: pass speculative= or parts=, "
+                             "not both")
+        if speculative is not None and self.storage.quant is not None:
+            # A rejected draft may have grown its block's scale and re-rounded the codes before it:
+            # rolling back the tokens would not roll back the cache.
+            raise ValueError(f"speculative decoding needs an unquantized KV cache, got kv_cache_dtype="
+                             f"{kv_cache_dtype!r}: rejected drafts would leave their mark on the block scales")
+        self.speculative = None if speculative is None else SpeculativeDecoder(
+            speculative, self.runner, self.block_manager, self.storage, self.scheduler.config, config.vocab_size)
         self.eos_token_id = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.metrics = EngineMetrics()
         self._requests: dict[int, Sequence] = {}
@@ -129,6 +144,8 @@ class LLM:
         if params.n > self.scheduler.config.max_num_seqs:
             raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs="
                              f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
+        if self.speculative is not None:
+            check_supported(params)
         seq = Sequence(token_ids, params, priority=priority, prompt=text, seq_id=next(self._ids))
         self.scheduler.check_fits(seq)
         return seq
@@ -190,14 +207,18 @@ class LLM:
         out = self.scheduler.schedule()  # also releases what an interrupted step left finished
         if not out.is_empty:
             num_batched_tokens = out.num_batched_tokens  # before forked samples join `out`
-            draws = self._run_isolated(out)
-            now = time.perf_counter()
-            for draw in draws:
-                if draw.forked_from is not None:
-                    self._adopt(draw.forked_from, draw.seq, out)
-                self._append(draw.seq, draw.token, now, draw.logprobs)
+            if self.speculative is None:
+                draws = self._run_isolated(out)
+                now = time.perf_counter()
+                for draw in draws:
+                    if draw.forked_from is not None:
+                        self._adopt(draw.forked_from, draw.seq, out)
+                    self._append(draw.seq, draw.token, now, draw.logprobs)
+                num_sampled = len(draws)
+            else:
+                num_sampled = self._append_speculated(self.speculative.step(out))
             self.scheduler.postprocess(out)
-            self._account(out, num_batched_tokens, len(draws), time.perf_counter() - start)
+            self._account(out, num_batched_tokens, num_sampled, time.perf_counter() - start)
         for seq in [s for s in self._requests.values() if s.group_finished]:
             self._finalize(seq)
 
@@ -247,6 +268,18 @@ class LLM:
         tokens = self.runner.sample(logits, samples, self.eos_token_id)
         logprobs = self._sampled_logprobs(logits, samples, tokens)
         return [_Draw(*draw) for draw in zip(samples, tokens, logprobs, parents, strict=True)]
+
+    def _append_speculated(self, tokens_of: dict[Sequence, list[int]]) -> int:
+        """Append each sequence's verified tokens in order until one finishes it; returns how many.
+        (A speculative step is not isolated per request: its failure is the caller's.)"""
+        now, count = time.perf_counter(), 0
+        for seq, tokens in tokens_of.items():
+            for token in tokens:
+                self._append(seq, token, now)
+                count += 1
+                if seq.is_finished:
+                    break
+        return count
 
     def _new_samples(self, seq: Sequence) -> list[Sequence]:
         """The samples a request with n > 1 still has to fork off `seq`, its sample 0, which is about
@@ -345,6 +378,11 @@ class LLM:
         m.num_swaps += len(out.swapped_out)
         m.prefix_cache_queried_tokens = self.block_manager.stats.queried_tokens
         m.prefix_cache_hit_tokens = self.block_manager.stats.hit_tokens
+        if self.speculative is not None:
+            spec = self.speculative
+            m.num_draft_tokens += spec.num_draft_tokens
+            m.num_accepted_draft_tokens += spec.num_accepted_tokens
+            m.num_verify_passes += spec.num_verify_passes
 
     def _finalize(self, seq: Sequence) -> None:
         """Keep the output of a finished request (`seq` is its sample 0) for its owner; forget the request."""
@@ -352,6 +390,8 @@ class LLM:
             detok = self._detok.pop(sample.seq_id, None)
             if detok is not None and sample.finish_reason is not FinishReason.STOP:
                 sample.text += detok.flush()
+        if self.speculative is not None:
+            self.speculative.forget(seq)
         metrics = RequestMetrics.of(seq)
         self._outputs[seq.request_id] = self._output(seq, metrics)
         self._requests.pop(seq.request_id, None)
@@ -469,6 +509,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a str, a dict or a non-empty list of them")
+        if self.speculative is not None:
+            raise ValueError("beam_search does not run with speculative decoding: use an engine without speculative=")
         if self.has_unfinished_requests():
             raise RuntimeError("beam_search runs alone: finish or abort the queued requests first")
         token_lists = []

@@ -81,6 +81,9 @@ class EngineMetrics:
     finished: deque[RequestMetrics] = field(default_factory=lambda: deque(maxlen=FINISHED_WINDOW))
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafters proposed
+    num_accepted_draft_tokens: int = 0  # ... and the target kept
+    num_verify_passes: int = 0  # ... and the sequence-steps that verified drafts
     _ttft: _Mean = field(default_factory=_Mean, repr=False)
     _tpot: _Mean = field(default_factory=_Mean, repr=False)
 
@@ -100,6 +103,17 @@ class EngineMetrics:
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The share of drafted tokens the target kept (speculative decoding)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Tokens a sequence gained per target forward that verified drafts: accepted + 1."""
+        passes = self.num_verify_passes
+        return (self.num_accepted_draft_tokens + passes) / passes if passes else 0.0
 
     @property
     def mean_ttft(self) -> float | None:

@@ -64,8 +64,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs = decode_graphs
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
-        """Flatten one scheduled step into the model's inputs and the attention metadata."""
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
+                num_scored: list[int] | None = None) -> StepInputs:
+        """Flatten one scheduled step into the model's inputs and the attention metadata.
+
+        `num_scored[i]`: how many of seqs[i]'s last rows get logits if it is sampled (default 1;
+        speculative decoding scores every draft)."""
         input_ids: list[int] = []
         starts, ends, tables = [], [], []
         for seq, n in zip(seqs, num_new_tokens, strict=True):
@@ -88,16 +92,21 @@ class ModelRunner:
         blocks = block_tables[seq_index, positions // self.block_size].to(torch.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
         return self.step_inputs(seqs, torch.tensor(input_ids, dtype=torch.int64), positions, cu_q, cu_k,
-                                slot_mapping, block_tables)
+                                slot_mapping, block_tables, num_scored)
 
     def step_inputs(self, seqs: list[Sequence], input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping,
-                    block_tables) -> StepInputs:
+                    block_tables, num_scored: list[int] | None = None) -> StepInputs:
         """The step's tensors on the model's device, and the rows that get logits: the last new row
-        of each sequence whose step reaches its end (its next token is due)."""
+        (the last `num_scored[i]` rows) of each sequence whose step reaches its end (its next token is due)."""
         ends = cu_seqlens_k.diff().tolist()
         is_sampled = [end == seq.num_tokens for seq, end in zip(seqs, ends, strict=True)]
         sampled_seqs = [seq for seq, sampled in zip(seqs, is_sampled, strict=True) if sampled]
-        sample_rows = (cu_seqlens_q[1:] - 1)[torch.tensor(is_sampled, dtype=torch.bool)]
+        if num_scored is None:
+            sample_rows = (cu_seqlens_q[1:] - 1)[torch.tensor(is_sampled, dtype=torch.bool)]
+        else:
+            sample_rows = torch.tensor([row for i, m in enumerate(num_scored) if is_sampled[i]
+                                        for row in range(int(cu_seqlens_q[i + 1]) - m, int(cu_seqlens_q[i + 1]))],
+                                       dtype=torch.int64)
         dev = self.device
         meta = AttentionMetadata(
             cu_seqlens_q=cu_seqlens_q.to(dev), cu_seqlens_k=cu_seqlens_k.to(dev),
@@ -107,9 +116,11 @@ class ModelRunner:
         return StepInputs(input_ids.to(dev), positions.to(dev), meta, sample_rows.to(dev), sampled_seqs)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardOutput:
-        """One forward step: fp32 logits of the sequences due a next token, and any prompt logits asked for."""
-        step = self.prepare(seqs, num_new_tokens)
+    def forward(self, seqs: list[Sequence], num_new_tokens: list[int],
+                num_scored: list[int] | None = None) -> ForwardOutput:
+        """One forward step: fp32 logits of the sequences due a next token (`num_scored` rows each,
+        see `prepare`), and any prompt logits asked for."""
+        step = self.prepare(seqs, num_new_tokens, num_scored)
         graphs = self.decode_graphs
         if (graphs is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)
                 and graphs.fits(len(seqs), step.meta.block_tables.shape[1])

@@ -307,12 +307,13 @@ class PartsModelRunner(ModelRunner):
         self.parts = parts
         self.sampler = PartsSampler(parts)
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
+                num_scored: list[int] | None = None) -> StepInputs:
         step = self.parts.call("prepare_step", [list(seq.token_ids) for seq in seqs],
                                [seq.num_cached_tokens for seq in seqs], list(num_new_tokens),
                                [list(seq.block_table) for seq in seqs], self.block_size)
         tensors = _check_step(step, seqs, num_new_tokens, self.storage.num_blocks * self.block_size)
-        return self.step_inputs(seqs, *tensors)
+        return self.step_inputs(seqs, *tensors, num_scored)
 
 
 def _check_step(step, seqs, num_new_tokens, num_slots: int) -> list[torch.Tensor]:

@@ -1,0 +1,230 @@
+"""Lab 14: speculative decoding. Prompt-lookup drafting, greedy verification of k drafts, rejection
+sampling that keeps the target's distribution, and the choice of k from the acceptance rate."""
+
+import math
+
+import torch
+
+from labkit.grading import ExerciseFailed, exercise, require
+
+_SPEC = "labkit.engine.speculative."
+
+
+# ---- exercise 1: prompt lookup ---------------------------------------------------------------
+def reference_propose_ngram(token_ids, k, max_n, *, first=True, longest_first=True, include_match=False,
+                            clip=True, shorter=True):
+    """labkit's `ngram_lookup` with min_n = 1; the keywords re-create typical mistakes."""
+    sizes = range(min(max_n, len(token_ids) - 1), 0, -1)
+    if not longest_first:
+        sizes = reversed(list(sizes))
+    if not shorter:
+        sizes = [n for n in sizes if n == min(max_n, len(token_ids) - 1)]
+    for n in sizes:
+        tail = token_ids[-n:]
+        last = len(token_ids) - n - 1  # never the tail itself
+        starts = range(last + 1) if first else range(last, -1, -1)
+        for start in starts:
+            if token_ids[start:start + n] == tail:
+                begin = start if include_match else start + n
+                return token_ids[begin:begin + k] if clip else token_ids[begin:]
+    return []
+
+
+_NGRAM_CASES = [
+    ([1, 2, 3, 9, 4, 1, 2, 3], 3, 3),
+    ([5, 5, 5, 5, 5], 3, 2),
+    ([1, 2, 3, 4, 5], 2, 3),
+    ([7, 1, 8, 2, 9, 1], 4, 3),
+    ([4, 2, 4, 3, 1, 2, 4, 2, 4], 2, 3),
+    ([1, 2, 1, 2, 3, 1, 2], 5, 2),
+    ([3], 2, 2),
+    ([6, 6], 4, 3),
+]
+_NGRAM_MISTAKES = (
+    (dict(first=False), "you took the latest earlier match; take the first one: it leaves the most tokens after it "
+                        "(in a run x x x x the latest match is followed by one token)"),
+    (dict(longest_first=False), "you tried short n-grams first: try the longest n-gram (max_n) first, a longer "
+                                "match predicts better"),
+    (dict(include_match=True), "you proposed the matched n-gram itself: the context already ends with it, "
+                               "propose the tokens that followed it"),
+    (dict(clip=False), "you returned every token after the match: propose at most k"),
+    (dict(shorter=False), "no match of length max_n and you gave up: fall back to shorter n-grams, down to 1 "
+                          "(and only an earlier occurrence counts, never the context's own tail)"),
+)
+
+
+@exercise("14", "propose_ngram", forbidden=(_SPEC + "ngram_lookup", _SPEC + "NgramDrafter.propose",
+                                            "labkit.grading.labs.lab14.reference_propose_ngram"))
+def propose_ngram(ns):
+    fn = require(ns, "propose_ngram")
+    for token_ids, k, max_n in _NGRAM_CASES:
+        got = fn(list(token_ids), k, max_n)
+        if not isinstance(got, list) or not all(isinstance(t, int) for t in got):
+            raise ExerciseFailed(f"return a list of token ids (ints), got {type(got).__name__}")
+        want = reference_propose_ngram(token_ids, k, max_n)
+        if got != want:
+            for kwargs, why in _NGRAM_MISTAKES:
+                if got == reference_propose_ngram(token_ids, k, max_n, **kwargs):
+                    raise ExerciseFailed(f"propose_ngram({token_ids}, k={k}, max_n={max_n}) gave {got}: {why}")
+            raise ExerciseFailed(f"propose_ngram({token_ids}, k={k}, max_n={max_n}) gave {got}, expected {want}")
+    return "the first earlier match of the longest recurring n-gram, at most k tokens"
+
+
+# ---- exercise 2: greedy verification ---------------------------------------------------------
+def reference_verify_greedy(logits, draft, *, bonus=True, stop=True, correct=True, shift=0):
+    choices = logits.argmax(-1).tolist()
+    out = []
+    for i, guess in enumerate(draft):
+        if guess != choices[min(i + shift, len(choices) - 1)]:
+            if not stop:
+                continue
+            return out + ([choices[i]] if correct else [])
+        out.append(guess)
+    return out + ([choices[len(draft)]] if bonus else [])
+
+
+_GREEDY_MISTAKES = (
+    (dict(bonus=False), "all k drafts matched and you stopped: the last row predicts one more token, the bonus"),
+    (dict(stop=False), "you kept drafts after a mismatch: once a draft is wrong, every later row was computed on "
+                       "a wrong context; stop at the first mismatch"),
+    (dict(correct=False), "at the first mismatch you returned nothing new: the target's own choice at that row "
+                          "is a correct token, keep it"),
+    (dict(shift=1), "row i of the logits predicts the token at draft position i (it reads the context up to "
+                    "draft i - 1), not draft i + 1"),
+)
+
+
+@exercise("14", "verify_greedy", forbidden=(_SPEC + "verify_greedy",
+                                            "labkit.grading.labs.lab14.reference_verify_greedy"))
+def verify_greedy(ns):
+    fn = require(ns, "verify_greedy")
+    g = torch.Generator().manual_seed(1414)
+    vocab = 7
+    for k, agree in [(3, 3), (3, 1), (4, 0), (1, 1), (0, 0), (5, 2), (2, 2)]:
+        logits = torch.randn(k + 1, vocab, generator=g)
+        choices = logits.argmax(-1).tolist()
+        draft = [choices[i] if i < agree else (choices[i] + 1) % vocab for i in range(k)]
+        if agree < k - 1:  # a later draft that happens to match: only the first mismatch counts
+            draft[-1] = choices[k - 1]
+        got = fn(logits.clone(), list(draft))
+        want = reference_verify_greedy(logits, draft)
+        if not isinstance(got, list) or not all(isinstance(t, int) for t in got):
+            raise ExerciseFailed(f"return a list of token ids (ints), got {type(got).__name__}")
+        if got != want:
+            for kwargs, why in _GREEDY_MISTAKES:
+                if got == reference_verify_greedy(logits, draft, **kwargs):
+                    raise ExerciseFailed(f"draft {draft} against argmaxes {choices} gave {got}: {why}")
+            raise ExerciseFailed(f"draft {draft} against argmaxes {choices} gave {got}, expected {want}")
+    return "accepted prefix, then the correction or the bonus token"
+
+
+# ---- exercise 3: rejection sampling ----------------------------------------------------------
+# The 0.999 quantile of chi-square with 4 degrees of freedom (5 categories), from a standard table.
+CHI2_4DOF_999 = 18.467
+_P = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.1, 0.2, 0.2, 0.2]])
+_Q = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2]])
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _as_tokens(got, what: str) -> list[int]:
+    if not isinstance(got, list) or not got or not all(isinstance(t, int) for t in got):
+        raise ExerciseFailed(f"{what}: return the list of emitted token ids (at least one), got {got!r}")
+    return got
+
+
+@exercise("14", "verify_sampled", forbidden=(_SPEC + "verify_sampled",))
+def verify_sampled(ns):
+    fn = require(ns, "verify_sampled")
+    g = torch.Generator().manual_seed(14)
+    # Certain cases first: p(x) >= q(x) always accepts; p(x) = 0 never does.
+    certain = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    for _ in range(5):
+        if _as_tokens(fn(certain.clone(), [1], None, g), "p = one-hot on the draft") != [1, 0]:
+            raise ExerciseFailed("the target gives the draft probability 1: accept it (min(1, p/q) = 1), then draw "
+                                 "the bonus token from the last row")
+        got = _as_tokens(fn(certain.clone(), [2], None, g), "p(draft) = 0")
+        if got != [1]:
+            raise ExerciseFailed(f"the target gives the draft probability 0, so it is always rejected and the "
+                                 f"replacement comes from max(0, p - q), which is token 1; got {got}")
+    # The first emitted token must follow p, whatever q proposed.
+    for draft_probs, label in [(_Q, "a draft model's q"), (None, "a fixed guess (q one-hot on token 0)")]:
+        counts = torch.zeros(5)
+        for _ in range(1500):
+            guess = int(torch.multinomial(_Q[0], 1, generator=g)) if draft_probs is not None else 0
+            tokens = _as_tokens(fn(_P.clone(), [guess], None if draft_probs is None else draft_probs.clone(), g),
+                                "one draft")
+            if len(tokens) > 2:
+                raise ExerciseFailed(f"one draft yields at most 2 tokens (it and the bonus), got {tokens}")
+            counts[tokens[0]] += 1
+        if _chi_square(counts, _P[0]) > CHI2_4DOF_999:
+            if _chi_square(counts, _Q[0] if draft_probs is not None else torch.eye(5)[0] + 1e-9) < CHI2_4DOF_999:
+                raise ExerciseFailed(f"with {label}, the emitted tokens follow q, not p: accept a draft x only with "
+                                     "probability min(1, p(x) / q(x))")
+            raise ExerciseFailed(f"with {label}, the first emitted token is not distributed as p = {_P[0].tolist()} "
+                                 f"(counts {counts.int().tolist()} of 1500): after a rejection, draw from "
+                                 "normalize(max(0, p - q)), not from p or q")
+    return "accepted with min(1, p/q); rejections resampled from max(0, p - q); first tokens follow p"
+
+
+# ---- exercise 4: choosing k ------------------------------------------------------------------
+def reference_best_k(alpha, draft_cost, max_k, *, off_by_one=False, no_cost=False, cost_k1=False, start=1):
+    best = None
+    for k in range(start, max_k + 1):
+        n = k if off_by_one else k + 1
+        tokens = float(n) if alpha == 1 else (1 - alpha ** n) / (1 - alpha)
+        cost = 1.0 if no_cost else 1 + (k + 1 if cost_k1 else k) * draft_cost
+        speedup = tokens / cost
+        if best is None or speedup > best[1] + 1e-12:
+            best = (k, speedup)
+    return best
+
+
+_K_CASES = [(0.8, 0.05, 8), (0.5, 0.1, 6), (0.9, 0.02, 10), (1.0, 0.1, 5), (0.0, 0.1, 4), (0.7, 0.3, 6),
+            (0.95, 0.0, 3)]
+_K_MISTAKES = (
+    (dict(off_by_one=True), "k drafts give up to k + 1 tokens (the bonus): E = (1 - alpha^(k+1)) / (1 - alpha)"),
+    (dict(no_cost=True), "the drafter is not free: a step costs 1 + k * draft_cost target forwards"),
+    (dict(cost_k1=True), "the drafter runs k times (one per draft), not k + 1: cost 1 + k * draft_cost"),
+)
+
+
+@exercise("14", "best_k", forbidden=("labkit.grading.labs.lab14.reference_best_k",))
+def best_k(ns):
+    fn = require(ns, "best_k")
+    for alpha, cost, max_k in _K_CASES:
+        try:
+            got = fn(alpha, cost, max_k)
+        except ZeroDivisionError:
+            raise ExerciseFailed(f"best_k({alpha}, {cost}, {max_k}) divided by zero: with alpha = 1 every draft "
+                                 "is accepted and a step yields k + 1 tokens") from None
+        if not isinstance(got, tuple | list) or len(got) != 2:
+            raise ExerciseFailed(f"return (k, speed-up), got {got!r}")
+        k, speedup = got
+        want_k, want_speedup = reference_best_k(alpha, cost, max_k)
+        if k == want_k and math.isclose(float(speedup), want_speedup, rel_tol=1e-6):
+            continue
+        for kwargs, why in _K_MISTAKES:
+            wk, ws = reference_best_k(alpha, cost, max_k, **kwargs)
+            if k == wk and math.isclose(float(speedup), ws, rel_tol=1e-6):
+                raise ExerciseFailed(f"best_k({alpha}, {cost}, {max_k}) gave {got}: {why}")
+        if k == 0:
+            raise ExerciseFailed("k = 0 is no speculation; search k from 1 to max_k")
+        raise ExerciseFailed(f"best_k({alpha}, {cost}, {max_k}) gave {got}, expected ({want_k}, {want_speedup:.4f})")
+    return "expected tokens (1 - alpha^(k+1)) / (1 - alpha) over cost 1 + k c, maximised over k"
+
+
+@exercise("14", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    return grade_answers(ns, {
+        1: Number(round((1 - 0.8 ** 5) / (1 - 0.8), 2), "'How many tokens a step yields'", rel_tol=0.01),
+        2: Number(1, "'Verifying k drafts in one forward'"),
+        3: Choice("c", "'Greedy: the same tokens, fewer forwards'"),
+        4: Choice("a", "'Sampling: rejection keeps p'"),
+        5: Choice("b", "'Measuring it: repetitive and open text'"),
+    })
