@@ -13,7 +13,7 @@ from torch import nn
 
 from labkit.model.random_weights import SMOLLM2_135M, random_model
 from labkit.parallel import ColumnParallelLinear, RowParallelLinear, run_ranks, shard_columns, shard_decoder, shard_rows
-from labkit.parallel.sharded_model import sharded_forward
+from labkit.parallel.sharded_model import AllReduce, balanced_split, sharded_forward
 
 # SmolLM2's layout, shrunk, with heads that split 2 ways (4 query heads, 2 KV heads).
 TINY = replace(SMOLLM2_135M, vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -42,12 +42,43 @@ def test_shards_tile_the_weight_and_uneven_splits_are_refused():
         shard_rows(w, 2, 2)
 
 
-def test_smollm2_heads_do_not_split_two_ways():
+def test_uneven_sizes_tile_the_weight_and_bad_sizes_are_refused():
+    w = torch.arange(30.0).view(5, 6)
+    shards = [shard_columns(w, r, 2, sizes=[3, 2]) for r in range(2)]
+    assert [s.shape[0] for s in shards] == [3, 2]
+    assert torch.equal(torch.cat(shards, dim=0), w)
+    assert torch.equal(torch.cat([shard_rows(w, r, 3, sizes=[4, 0, 2]) for r in range(3)], dim=1), w)
+    with pytest.raises(ValueError, match=r"sizes \[3, 3\] must be 2 non-negative counts summing to out_features \(5\)"):
+        shard_columns(w, 0, 2, sizes=[3, 3])
+    with pytest.raises(ValueError, match=r"sizes \[6\] must be 2"):
+        shard_rows(w, 0, 2, sizes=[6])
+
+
+def test_balanced_split_spreads_units_and_refuses_more_ranks_than_units():
+    assert balanced_split(3, 2, "num_kv_heads") == [2, 1]
+    assert balanced_split(1536, 2, "intermediate_size") == [768, 768]
+    assert balanced_split(7, 3, "x") == [3, 2, 2]
+    with pytest.raises(ValueError, match=r"num_kv_heads \(3\) < world_size 4.*vLLM replicates K/V heads"):
+        balanced_split(3, 4, "num_kv_heads")
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        balanced_split(3, 0, "num_kv_heads")
+
+
+def test_smollm2_splits_two_ways_by_kv_group_and_refuses_four():
+    from labkit.model.decoder import DecoderModel
     with torch.device("meta"):
-        from labkit.model.decoder import DecoderModel
-        model = DecoderModel(SMOLLM2_135M)
-    with pytest.raises(ValueError, match=r"num_heads \(9\), num_kv_heads \(3\) not divisible by world_size 2"):
-        shard_decoder(model, 0, 2, all_reduce=lambda t: t)
+        ranks = [shard_decoder(DecoderModel(SMOLLM2_135M), r, 2, all_reduce=lambda t: t) for r in range(2)]
+        with pytest.raises(ValueError, match=r"num_kv_heads \(3\) < world_size 4"):
+            shard_decoder(DecoderModel(SMOLLM2_135M), 0, 4, all_reduce=lambda t: t)
+    head_dim = SMOLLM2_135M.head_dim
+    for model, (q_heads, kv_heads) in zip(ranks, [(6, 2), (3, 1)], strict=True):
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        assert (attn.num_heads, attn.num_kv_heads) == (q_heads, kv_heads)
+        assert attn.q_proj.weight.shape == (q_heads * head_dim, 576)
+        assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (kv_heads * head_dim, 576)
+        assert attn.o_proj.weight.shape == (576, q_heads * head_dim)
+        assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (768, 576)
+        assert mlp.down_proj.weight.shape == (576, 768)
 
 
 def fail_on_rank_one(rank, world_size):
@@ -76,6 +107,31 @@ def test_gloo_ranks_give_the_single_process_logits_and_count_the_all_reduces(con
         assert result["bytes"] == 2 * 2 * config.num_layers * len(input_ids) * config.hidden_size * 4
         assert result["wire_bytes"] == pytest.approx(2 * (world_size - 1) / world_size * result["bytes"])  # ring
         assert result["seconds"] > 0
+    assert not multiprocessing.active_children()
+
+
+def shard_and_forward(rank, world_size, model, input_ids):
+    """Fork-only worker: `model` is the parent's, shared copy-on-write; this rank shards its own copy."""
+    all_reduce = AllReduce()
+    with torch.inference_mode():
+        logits = shard_decoder(model, rank, world_size, all_reduce)(input_ids)
+    return {"logits": logits, "calls": all_reduce.calls, "bytes": all_reduce.bytes}
+
+
+def test_real_smollm2_over_two_uneven_ranks_gives_the_single_process_logits():
+    from labkit.model import load_model
+
+    model = load_model("smollm2", device="cpu", dtype=torch.float32)
+    input_ids = torch.tensor([1, 504, 3458, 314, 253, 1789, 28, 2])
+    with torch.inference_mode():
+        expected = model(input_ids)
+    # fork: each rank inherits the loaded model instead of reading the GGUF again
+    results = run_ranks(shard_and_forward, 2, model, input_ids, start_method="fork", timeout=120)
+    cfg = model.config
+    for result in results:
+        assert (result["logits"] - expected).abs().max().item() <= 1e-4
+        assert result["calls"] == 2 * cfg.num_layers
+        assert result["bytes"] == 2 * cfg.num_layers * len(input_ids) * cfg.hidden_size * 4  # full width on both
     assert not multiprocessing.active_children()
 
 

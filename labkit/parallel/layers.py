@@ -9,41 +9,55 @@ Chaining the two (q/k/v then o_proj, gate/up then down) keeps the in-between act
 so a transformer block needs exactly two all-reduces, one after attention and one after the MLP.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def _check_split(size: int, world_size: int, rank: int, what: str) -> int:
+def shard_bounds(size: int, rank: int, world_size: int, what: str,
+                 sizes: Sequence[int] | None = None) -> tuple[int, int]:
+    """[start, end) of rank `rank`'s slice of `size` features: an even split, or `sizes[r]` features for rank r.
+
+    Uneven sizes let a shard follow a unit larger than one feature (whole K/V groups of heads) when the
+    units do not divide by world_size.
+    """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-    if size % world_size:
-        raise ValueError(f"{what} ({size}) does not split evenly across {world_size} ranks")
-    return size // world_size
+    if sizes is None:
+        if size % world_size:
+            raise ValueError(f"{what} ({size}) does not split evenly across {world_size} ranks")
+        sizes = [size // world_size] * world_size
+    elif len(sizes) != world_size or sum(sizes) != size or min(sizes) < 0:
+        raise ValueError(f"sizes {list(sizes)} must be {world_size} non-negative counts summing to {what} ({size})")
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
 
 
-def shard_columns(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+def shard_columns(weight: torch.Tensor, rank: int, world_size: int,
+                  sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Rank `rank`'s contiguous slice of the output features: rows of a [out, in] weight (or a bias)."""
-    part = _check_split(weight.shape[0], world_size, rank, "out_features")
-    return weight[rank * part:(rank + 1) * part].clone()
+    start, end = shard_bounds(weight.shape[0], rank, world_size, "out_features", sizes)
+    return weight[start:end].clone()
 
 
-def shard_rows(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+def shard_rows(weight: torch.Tensor, rank: int, world_size: int,
+               sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Rank `rank`'s contiguous slice of the input features: columns of a [out, in] weight."""
-    part = _check_split(weight.shape[1], world_size, rank, "in_features")
-    return weight[:, rank * part:(rank + 1) * part].clone()
+    start, end = shard_bounds(weight.shape[1], rank, world_size, "in_features", sizes)
+    return weight[:, start:end].clone()
 
 
 class ColumnParallelLinear(nn.Module):
     """This rank's output features of a linear layer: full input in, sharded output out."""
 
-    def __init__(self, linear: nn.Linear, rank: int, world_size: int):
+    def __init__(self, linear: nn.Linear, rank: int, world_size: int, sizes: Sequence[int] | None = None):
         super().__init__()
-        self.weight = nn.Parameter(shard_columns(linear.weight.detach(), rank, world_size), requires_grad=False)
+        self.weight = nn.Parameter(shard_columns(linear.weight.detach(), rank, world_size, sizes),
+                                   requires_grad=False)
         self.bias = (None if linear.bias is None else
-                     nn.Parameter(shard_columns(linear.bias.detach(), rank, world_size), requires_grad=False))
+                     nn.Parameter(shard_columns(linear.bias.detach(), rank, world_size, sizes), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -53,12 +67,14 @@ class RowParallelLinear(nn.Module):
     """This rank's input features of a linear layer: sharded input in, the all-reduced full output out.
 
     The bias is added once, after the sum (added on every rank before it, it would count world_size times).
+    However uneven the input slices, every rank's partial output has the full width, so each all-reduce
+    carries the same payload on every rank.
     """
 
     def __init__(self, linear: nn.Linear, rank: int, world_size: int,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor], sizes: Sequence[int] | None = None):
         super().__init__()
-        self.weight = nn.Parameter(shard_rows(linear.weight.detach(), rank, world_size), requires_grad=False)
+        self.weight = nn.Parameter(shard_rows(linear.weight.detach(), rank, world_size, sizes), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.all_reduce = all_reduce
 

@@ -6,11 +6,12 @@ row-parallel. The MLP splits its intermediate features the same way. Embeddings,
 head stay replicated (small here; vLLM shards the vocabulary too). The layers' code does not change:
 only their weights and head counts do, which is why `shard_decoder` edits a model in place.
 
-Heads must split evenly, and query heads must stay with their KV head (GQA): so num_kv_heads and
-num_heads must both be multiples of world_size. SmolLM2-135M (9 query heads, 3 KV heads) splits
-3 ways but not 2; engines then replicate KV heads (vLLM does when world_size > num_kv_heads) or
-refuse. This module refuses with a clear error, and the tests use a random-weights model of a
-TP-friendly shape: the arithmetic is the same for any shape that splits.
+With GQA a query head must stay on the rank of the K/V head it reads (query head h reads K/V head
+h // group, group = num_heads // num_kv_heads), so the unit of the split is a K/V group: one K/V head
+and its query heads. Groups that do not divide by world_size split unevenly: SmolLM2-135M's 3 groups
+(9 query heads) over 2 ranks give rank 0 two groups (6 query, 2 K/V heads) and rank 1 one (3 and 1).
+The MLP's intermediate features split as evenly as they can the same way. More ranks than K/V groups
+leave a rank with no K/V head: vLLM then replicates K/V heads across ranks; labkit refuses.
 """
 
 import time
@@ -51,32 +52,45 @@ class AllReduce:
         return 2 * (p - 1) / p * self.bytes
 
 
-def check_splittable(num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int) -> None:
-    """Raise a ValueError naming what does not split evenly across `world_size` ranks."""
-    problems = [f"{name} ({n})" for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                                               ("intermediate_size", intermediate_size)) if n % world_size]
-    if problems:
+def balanced_split(units: int, world_size: int, what: str) -> list[int]:
+    """How many of `units` each rank takes: as equal as possible, the first ranks taking one more.
+
+    Refuses more ranks than units: a rank with nothing would have no K/V head to attend with.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size > units:
         raise ValueError(
-            f"{', '.join(problems)} not divisible by world_size {world_size}: tensor parallelism splits whole "
-            f"heads (each query head staying with its KV head) and MLP features evenly across ranks"
+            f"{what} ({units}) < world_size {world_size}: every rank needs at least one (a query head stays on "
+            f"the rank of its K/V head); vLLM replicates K/V heads when ranks outnumber them, labkit does not"
         )
+    base, extra = divmod(units, world_size)
+    return [base + (rank < extra) for rank in range(world_size)]
 
 
 def shard_decoder(model: DecoderModel, rank: int, world_size: int, all_reduce) -> DecoderModel:
-    """Turn `model` (the full weights, identical on every rank) into rank `rank`'s shard, in place."""
+    """Turn `model` (the full weights, identical on every rank) into rank `rank`'s shard, in place.
+
+    q/k/v columns and o_proj rows are cut at K/V-group boundaries, gate/up columns and down rows at
+    a balanced split of the intermediate features.
+    """
     cfg = model.config
-    check_splittable(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, world_size)
+    groups = balanced_split(cfg.num_kv_heads, world_size, "num_kv_heads")
+    queries_per_group = cfg.num_heads // cfg.num_kv_heads
+    kv_sizes = [g * cfg.head_dim for g in groups]
+    q_sizes = [g * queries_per_group * cfg.head_dim for g in groups]
+    mlp_sizes = balanced_split(cfg.intermediate_size, world_size, "intermediate_size")
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = ColumnParallelLinear(attn.q_proj, rank, world_size)
-        attn.k_proj = ColumnParallelLinear(attn.k_proj, rank, world_size)
-        attn.v_proj = ColumnParallelLinear(attn.v_proj, rank, world_size)
-        attn.o_proj = RowParallelLinear(attn.o_proj, rank, world_size, all_reduce)
-        attn.num_heads //= world_size
-        attn.num_kv_heads //= world_size
-        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, rank, world_size)
-        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, rank, world_size)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, world_size, all_reduce)
+        attn.q_proj = ColumnParallelLinear(attn.q_proj, rank, world_size, q_sizes)
+        attn.k_proj = ColumnParallelLinear(attn.k_proj, rank, world_size, kv_sizes)
+        attn.v_proj = ColumnParallelLinear(attn.v_proj, rank, world_size, kv_sizes)
+        attn.o_proj = RowParallelLinear(attn.o_proj, rank, world_size, all_reduce, q_sizes)
+        attn.num_heads = groups[rank] * queries_per_group
+        attn.num_kv_heads = groups[rank]
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, rank, world_size, mlp_sizes)
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, rank, world_size, mlp_sizes)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, world_size, all_reduce, mlp_sizes)
     return model
 
 
