@@ -6,6 +6,7 @@ from catalogue import Right, Wrong
 from labkit.engine.speculative import ngram_lookup
 from labkit.engine.speculative import verify_greedy as labkit_verify_greedy
 from labkit.engine.speculative import verify_sampled as labkit_verify_sampled
+from labkit.grading.labs.lab14 import reference_best_k
 
 
 # ---- propose_ngram ---------------------------------------------------------------------------
@@ -218,4 +219,6 @@ WRONG = [
           "runs k times"),
     Wrong("best_k", "divides by 1 - alpha at alpha = 1", best_k_divides_by_zero, "divided by zero"),
     Wrong("best_k", "searches from k = 0", best_k_from_zero, "k = 0 is no speculation"),
+    Wrong("best_k", "calls the grader's reference", lambda a, c, m: reference_best_k(a, c, m), "`reference_best_k`",
+          calls="labkit.grading.labs.lab14.reference_best_k"),
 ]
