@@ -1,5 +1,6 @@
 """Course grading: exercises and check cells, student notebooks, notebook execution, score reports."""
 
-from labkit.grading.core import ExerciseFailed, check, exercise, expect_tensor, require
+from labkit.grading.core import ExerciseFailed, check, exercise, expect_tensor, expect_value_error, raised_type, require
 
-__all__ = ["ExerciseFailed", "check", "exercise", "expect_tensor", "require"]
+__all__ = ["ExerciseFailed", "check", "exercise", "expect_tensor", "expect_value_error", "raised_type",
+           "require"]

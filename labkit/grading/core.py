@@ -171,13 +171,32 @@ def run_exercise(ex: Exercise, namespace) -> Outcome:
         reason = "not implemented yet: replace `raise NotImplementedError()` with your code"
     except Exception as error:  # the student's code crashed inside the grader's call
         first_line = (str(error).strip().splitlines() or [""])[0]
-        name = getattr(error, "type_name", type(error).__name__)  # a RemoteError names the student's type
+        name = raised_type(error)
         reason = f"your code raised {name}: {first_line}".rstrip(": ")
     finally:
         GRADING.reset(token)
     if wires.tripped:  # even if the student's code caught the tripwire's exception
         reason = explain(wires.tripped[0])
     return Outcome(ex.lab, ex.name, 0, ex.points, reason)
+
+
+def raised_type(error: BaseException) -> str:
+    """The type the student's code raised: a RemoteError carries it across the channel by name."""
+    return getattr(error, "type_name", type(error).__name__)
+
+
+def expect_value_error(call, what: str, hint: str = "") -> None:
+    """Fail unless `call()` raises a ValueError; `what` names the bad input, `hint` what is wrong with it."""
+    try:
+        call()
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        if raised_type(error) != "ValueError":
+            raise ExerciseFailed(f"{what} raised {raised_type(error)}: raise a ValueError that says what is "
+                                 "wrong") from None
+    else:
+        raise ExerciseFailed(f"{what} was accepted: {hint + '; ' if hint else ''}raise a ValueError")
 
 
 def check(lab: str, name: str, namespace: dict | None = None) -> None:

@@ -4,7 +4,7 @@ factor a wrong formula dropped."""
 import functools
 import math
 
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, expect_value_error, require
 
 _CONFIGS = [  # (layers, kv_heads, head_dim, seq_len, batch, dtype_bytes), each factor distinct
     (30, 3, 64, 777, 5, 4),
@@ -302,17 +302,8 @@ def decode_intensity(ns):
             raise ExerciseFailed(why or f"'{wrong}' is {got[wrong]:,} for contexts {contexts}, expected "
                                         f"{right[wrong]:,}")
     for contexts, what in (([], "an empty batch"), ([4, -1], "a negative context")):
-        try:
-            fn(dict(_DECODE_CASES[2][0]), 50_000, contexts, 2)
-        except ExerciseFailed:
-            raise
-        except Exception as error:
-            name = getattr(error, "type_name", type(error).__name__)
-            if name != "ValueError":
-                raise ExerciseFailed(f"{what} raised {name}: raise a ValueError that says what is wrong") from None
-        else:
-            raise ExerciseFailed(f"{what} was accepted: raise a ValueError (a decode step needs at least one "
-                                 "sequence, and a context cannot be negative)")
+        expect_value_error(lambda contexts=contexts: fn(dict(_DECODE_CASES[2][0]), 50_000, contexts, 2), what,
+                           "a decode step needs at least one sequence, and a context cannot be negative")
     return "weights read once per batch, K/V once per sequence, at each sequence's own length"
 
 
@@ -322,17 +313,6 @@ def _roofline(intensity, peak_flops, bandwidth):
     return min(peak_flops, intensity * bandwidth), "memory" if intensity * bandwidth < peak_flops else "compute"
 
 
-def _expect_value_error(call, what):
-    try:
-        call()
-    except ExerciseFailed:
-        raise
-    except Exception as error:
-        name = getattr(error, "type_name", type(error).__name__)
-        if name != "ValueError":
-            raise ExerciseFailed(f"{what} raised {name}: raise a ValueError that says what is wrong") from None
-    else:
-        raise ExerciseFailed(f"{what} was accepted: raise a ValueError")
 
 
 _MACHINES = ((989e12, 3.35e12), (100.0, 10.0), (2.0e12, 0.1e12))
@@ -382,9 +362,9 @@ def roofline(ns):
                     raise ExerciseFailed("at the ridge point itself the machine reaches its peak: call it 'compute'")
                 raise ExerciseFailed(f"intensity {intensity:g} is {'below' if intensity < ridge else 'above'} the "
                                      f"ridge ({ridge:g} FLOP/byte): it is {want_bound}-bound, not {bound}-bound")
-    _expect_value_error(lambda: fn(10.0, 100.0, 0.0), "a bandwidth of 0")
-    _expect_value_error(lambda: fn(10.0, -1.0, 10.0), "a negative peak")
-    _expect_value_error(lambda: fn(-2.0, 100.0, 10.0), "a negative intensity")
+    expect_value_error(lambda: fn(10.0, 100.0, 0.0), "a bandwidth of 0")
+    expect_value_error(lambda: fn(10.0, -1.0, 10.0), "a negative peak")
+    expect_value_error(lambda: fn(-2.0, 100.0, 10.0), "a negative intensity")
     return "min(peak, intensity x bandwidth); compute-bound from the ridge point on"
 
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from labkit import worked_example as ref
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, expect_value_error, require
 
 
 def _random(*shape, seed):
@@ -21,17 +21,6 @@ def _close(a, b):
     return torch.allclose(a.to(torch.float64), b.to(torch.float64), atol=atol)
 
 
-def _expect_value_error(call, what, hint):
-    try:
-        call()
-    except ExerciseFailed:
-        raise
-    except Exception as error:
-        name = getattr(error, "type_name", type(error).__name__)
-        if name != "ValueError":
-            raise ExerciseFailed(f"{what} raised {name}: raise a ValueError that says so") from None
-    else:
-        raise ExerciseFailed(f"{what} was accepted: {hint}; raise a ValueError")
 
 
 @exercise("03", "build_x", forbidden=("labkit.worked_example.build_x",))
@@ -67,10 +56,10 @@ def build_x(ns):
             raise ExerciseFailed("every token got PE[start]: token i sits at position start + i")
         if not _close(got, ref.build_x(embeddings, positional, token_ids, start)):
             raise ExerciseFailed(f"X differs from E[token_ids] + PE[start:start + n] for start={start}")
-    _expect_value_error(lambda: fn(embeddings, positional, [1, -1]), "token id -1",
+    expect_value_error(lambda: fn(embeddings, positional, [1, -1]), "token id -1",
                         "torch would silently take E's last row")
-    _expect_value_error(lambda: fn(embeddings, positional, [7]), "token id 7 for a 7-row E", "it has no such row")
-    _expect_value_error(lambda: fn(embeddings, positional, [1, 2, 3], 6), "positions 6..8 with 8 rows of PE",
+    expect_value_error(lambda: fn(embeddings, positional, [7]), "token id 7 for a 7-row E", "it has no such row")
+    expect_value_error(lambda: fn(embeddings, positional, [1, 2, 3], 6), "positions 6..8 with 8 rows of PE",
                         "PE has no row for position 8")
     return "X[i] = E[token_i] + PE[start + i], and ids or positions out of range are refused"
 
@@ -254,17 +243,8 @@ def next_token(ns):
             raise ExerciseFailed("argmax over every position's logits flattened: take it over the last row only")
         if token != int(logits[-1].argmax()):
             raise ExerciseFailed(f"token {token} is not the most probable one ({int(logits[-1].argmax())})")
-    for empty in (torch.zeros(0, 4, dtype=torch.float64),):
-        try:
-            fn(empty, _random(4, 5, seed=53))
-        except ExerciseFailed:
-            raise
-        except Exception as error:
-            name = getattr(error, "type_name", type(error).__name__)
-            if name != "ValueError":
-                raise ExerciseFailed(f"no positions at all raised {name}: raise a ValueError that says so") from None
-        else:
-            raise ExerciseFailed("no positions at all was accepted: raise a ValueError (there is no last position)")
+    expect_value_error(lambda: fn(torch.zeros(0, 4, dtype=torch.float64), _random(4, 5, seed=53)),
+                       "no positions at all", "there is no last position")
     return "the last position's logits, softmax over the vocabulary, argmax as an int"
 
 

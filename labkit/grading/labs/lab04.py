@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit import worked_example as ref
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
 from labkit.grading.labs.lab03 import _close, _random
 
 
@@ -80,7 +80,7 @@ def _raised(call):
     except ExerciseFailed:
         raise
     except Exception as error:
-        return getattr(error, "type_name", type(error).__name__), str(error)
+        return raised_type(error), str(error)
     return None
 
 

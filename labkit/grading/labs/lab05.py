@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from labkit.attention.dense import causal_attention
 from labkit.cache import KVCache
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
 from labkit.model.config import ModelConfig
 from labkit.model.generate import step_metadata
 from labkit.model.layers import MLP, DecoderLayer, rope_cos_sin, rope_inv_freq
@@ -312,7 +312,7 @@ def decoder_layer(ns):
             raise
         except Exception as error:
             if "split" in str(error) or "shape" in str(error):
-                raise ExerciseFailed(f"{getattr(error, 'type_name', type(error).__name__)} on the merged qkv "
+                raise ExerciseFailed(f"{raised_type(error)} on the merged qkv "
                                      f"weight ({w['qkv'].shape[0]} rows): it is (num_heads + 2 * num_kv_heads) * "
                                      "head_dim wide, so split it with head_dim, not the hidden size") from None
             raise

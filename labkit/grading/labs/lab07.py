@@ -5,7 +5,7 @@ import math
 import torch
 
 from labkit.attention.reference import online_softmax_attention
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
 from labkit.grading.remote import RemoteError
 
 _MANAGER = "labkit.cache.block_manager.BlockManager"
@@ -109,7 +109,7 @@ def calculate_memory_savings(ns):
         try:
             fn(lengths=lengths, max_length=256, block_size=16, memory_per_token=8)
         except (ValueError, RemoteError) as error:  # RemoteError: raised in the student's kernel, named there
-            if getattr(error, "type_name", "ValueError") != "ValueError":
+            if raised_type(error) != "ValueError":
                 raise
             if problem not in str(error):
                 raise ExerciseFailed(f"the ValueError for lengths {lengths} should name the bad length {problem} "

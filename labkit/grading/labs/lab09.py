@@ -4,7 +4,7 @@ from collections import OrderedDict, deque
 
 from labkit.cache.block_manager import Block, BlockManager, hash_block
 from labkit.cache.sequence_blocks import BlockSequence
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
 
 
 def _reference_chain(token_ids, block_size):
@@ -153,7 +153,7 @@ def _raised(call) -> str | None:
     except ExerciseFailed:
         raise
     except Exception as error:  # noqa: BLE001 - whatever the student's code raised is the answer
-        return getattr(error, "type_name", type(error).__name__)
+        return raised_type(error)
     return None
 
 
@@ -223,7 +223,7 @@ def allocate_blocks(ns):
     except (NotImplementedError, ExerciseFailed):
         raise
     except Exception as error:  # noqa: BLE001 - the student's code raised
-        raise ExerciseFailed(f"raised {getattr(error, 'type_name', type(error).__name__)} ({error}) where the "
+        raise ExerciseFailed(f"raised {raised_type(error)} ({error}) where the "
                              "prompt hits a freed cached block: revive the hits (take them out of free_cached) "
                              "before taking fresh blocks, or LRU eviction takes the block just hit") from None
     if table.count(0) > 1 or hash_block(None, (1, 2)) not in pool.manager.hash_to_block:
@@ -359,7 +359,7 @@ def _append_case(fn, bm, seq, new_tokens):
     except (NotImplementedError, ExerciseFailed):
         raise
     except Exception as error:  # noqa: BLE001 - the student's code raised
-        return getattr(error, "type_name", type(error).__name__), table
+        return raised_type(error), table
     return copies, table
 
 

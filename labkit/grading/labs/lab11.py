@@ -12,7 +12,7 @@ import torch
 
 from labkit.cache.block_manager import Block, BlockManager
 from labkit.cache.paged_storage import PagedKVStorage
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
 from labkit.sampling.stop import find_stop_string
 
 STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "block_tables")
@@ -355,7 +355,7 @@ def abort_request(ns):
             except (NotImplementedError, ExerciseFailed):
                 raise
             except Exception as error:  # a student's exception crosses as a RemoteError naming its type
-                if getattr(error, "type_name", type(error).__name__) != "ValueError":
+                if raised_type(error) != "ValueError":
                     raise
                 got, raised = None, True
             if raised and want is not None:

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
 from labkit.model.config import ModelConfig
 from labkit.model.kv_heads import pool_kv_heads as reference_pool_kv_heads
 from labkit.model.perplexity import perplexity_from_logits
@@ -139,7 +139,7 @@ def decode_regimes(ns):
         except ExerciseFailed:
             raise
         except Exception as error:  # noqa: BLE001 - which error the student raised is the point
-            raised = getattr(error, "type_name", type(error).__name__)  # a RemoteError names the student's type
+            raised = raised_type(error)  # a RemoteError names the student's type
             if raised == "ValueError":
                 continue
             raise ExerciseFailed(f"K/V heads {bad} for 9 query heads: raise a ValueError, not {raised}") from None

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
 
 # ------------------------------------------------------------- Exercise 1: shard a linear layer's weight
 
@@ -73,7 +73,7 @@ def shard_linear(ns):
     except (NotImplementedError, ExerciseFailed):
         raise
     except Exception as error:  # noqa: BLE001 - the student's code raised, as it should; which type?
-        name = getattr(error, "type_name", type(error).__name__)  # the sandbox names the student's type
+        name = raised_type(error)  # the sandbox names the student's type
         if name != "ValueError":
             raise ExerciseFailed(f"uneven split: raise a ValueError, not {name}") from None
     else:
