@@ -8,6 +8,7 @@ from engine_support import assert_no_leak
 from serve_support import tiny_model
 
 from labkit.engine import LLM, SpeculativeConfig
+from labkit.engine.parts import EngineParts
 from labkit.engine.speculative import first_layers, ngram_lookup, verify_greedy, verify_sampled
 from labkit.model import load_model
 from labkit.sampling import BeamSearchParams, SamplingParams
@@ -163,6 +164,8 @@ def test_bad_options_are_named():
         tiny_engine(speculative={"method": "ngram"})
     with pytest.raises(ValueError, match="unquantized KV cache"):
         tiny_engine(speculative=SpeculativeConfig("ngram"), kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="not both"):
+        tiny_engine(speculative=SpeculativeConfig("ngram"), parts=EngineParts())
     small_vocab = type(model)(type(model.config)(**{**model.config.__dict__, "vocab_size": 100}))
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_engine(speculative=SpeculativeConfig("draft_model", draft_model=small_vocab))
