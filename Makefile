@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REPORT ?= reports/grades.json
 JOBS ?= 2
-# The engine's benchmark prints the course's headline ratio, so it runs last.
-BENCHES := $(filter-out bench/bench_engine.py,$(wildcard bench/bench_*.py)) $(wildcard bench/bench_engine.py)
+# The engine's benchmark prints the course's headline ratio, so it runs last; bench_peers.py needs
+# llama.cpp built first (`make bench-peers`).
+BENCHES := $(filter-out bench/bench_engine.py bench/bench_peers.py,$(wildcard bench/bench_*.py)) \
+	$(wildcard bench/bench_engine.py)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
@@ -18,7 +20,7 @@ test drift selfcheck grade execute: export OMP_NUM_THREADS ?= 1
 # Jupyter refuses to start as root (containers, some cloud machines) unless told it is meant.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
-.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench demo gpu-check serve clean
+.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench bench-peers demo gpu-check serve clean
 
 help:
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
@@ -29,6 +31,8 @@ help:
 	@echo "make execute             re-run solutions/ in place (stored outputs), then make notebooks"
 	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"
 	@echo "make bench               speed figures against reference libraries"
+	@echo "make bench-peers         labkit against llama.cpp on the same GGUF; the first run builds llama.cpp"
+	@echo "                         from source into .venv (10-25 minutes on two cores)"
 	@echo "make demo                SmolLM2 answers a few questions through the engine, with its metrics"
 	@echo "make gpu-check           on a CUDA machine, with its own torch: kernels, parity, notebooks, speed"
 	@echo "                         -> reports/gpu/<date>-<gpu>.md (GPU_PYTHON=python3, GPU_CHECK_ARGS=--dry-run)"
@@ -77,6 +81,21 @@ endif
 
 bench: setup
 	@for script in $(BENCHES); do OMP_NUM_THREADS=$(NPROC) $(BIN)/python $$script || exit 1; done
+
+# llama.cpp through llama-cpp-python, whose PyPI release is a source archive that vendors llama.cpp:
+# compiled here for this CPU (GGML_NATIVE), without GPU backends or BLAS, without OpenMP (ggml's own
+# thread pool, which the benchmark sizes), one compile job at a time so the other core stays usable.
+# Opt-in: `make check` never needs it.
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF \
+	-DGGML_METAL=OFF -DLLAVA_BUILD=OFF
+
+bench-peers: setup
+	@$(BIN)/python -c "import importlib.metadata as m; exit(m.version('llama-cpp-python') != '$(LLAMA_CPP_PYTHON)')" \
+		2>/dev/null || { echo "building llama.cpp from source (llama-cpp-python $(LLAMA_CPP_PYTHON)): 10-25 minutes on two cores"; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=1 $(BIN)/pip install -q --no-deps \
+		--no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON) diskcache==5.6.3; }
+	$(BIN)/python bench/bench_peers.py $(BENCH_PEERS_ARGS)
 
 demo: setup
 	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m labkit.engine

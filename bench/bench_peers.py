@@ -1,0 +1,345 @@
+"""labkit against llama.cpp, what a CPU user would run this GGUF with: the same file, the same thread
+count, in one run on this machine.
+
+Prints, each as a ratio labkit/llama.cpp measured in the same run, for every labkit weight format:
+  1. batch-1 decode tok/s (time for 1 + n tokens minus time for 1, so the prefill cancels out);
+  2. prompt processing tok/s on one ~128-token prompt;
+  3. output tok/s on bench_engine.py's 64-request workload (same prompts and output lengths, every
+     request generating exactly its length), llama.cpp driven through its own batch API: one
+     `llama_batch` per step holding several sequence ids, finished sequences replaced at once
+     (continuous batching, as llama.cpp's `parallel` example does it);
+  4. greedy agreement on a few chat prompts: the tokens both generate from the same prompt ids
+     (matching prefix / longer output) and the largest logit difference at the prompt's last position.
+Both sides are timed alike (bench_engine.time_it: CPU seconds of the process with one thread); they
+take turns and keep their best of --rounds for 1 and 2.
+
+llama.cpp comes from llama-cpp-python built from source on this machine (`make bench-peers` does it
+the first time: 10-25 minutes on two cores); this script never downloads anything.
+
+    make bench-peers                  # build if needed, then this script with its defaults
+    python bench/bench_peers.py --formats dequantized q4_1 --threads 2
+"""
+
+import argparse
+import ctypes
+import inspect
+import os
+from dataclasses import dataclass, field
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_engine import decode_speeds, time_it, workload  # noqa: E402
+
+from labkit.engine import LLM  # noqa: E402
+from labkit.registry import resolve_model_path  # noqa: E402
+from labkit.sampling import SamplingParams  # noqa: E402
+
+# labkit's weight formats (LLM(..., weight_format=...)); "dequantized" is every labkit's default.
+WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
+CHAT_QUESTIONS = ("What is a KV cache?", "Name three planets and one fact about each.",
+                  "Write a haiku about a CPU.")
+BUILD_HINT = "llama-cpp-python is not installed: `make bench-peers` builds it from source (10-25 minutes on two cores)"
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy outputs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def best_times(runs: dict, rounds: int) -> dict:
+    """Best time of each run over `rounds`; the runs take turns, so a burst of load on a shared machine
+    does not land on one of them only."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            best[name] = min(best[name], time_it(run))
+    return best
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    max_tokens: int
+    output: list[int] = field(default_factory=list)
+    seq_id: int | None = None
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One token of a step's batch: which request, its sequence id, the token, its position, and whether
+    the step must return logits for it (the last token of each sequence in the batch)."""
+    request: int
+    seq_id: int
+    token: int
+    pos: int
+    logits: bool
+
+
+class ContinuousBatcher:
+    """Which tokens go into each decode call of an engine whose KV cache is keyed by sequence id.
+
+    Each step carries the newest token of every running request first, then whole prompts of waiting
+    requests, in arrival order, while a free sequence id and the token budget last. A request that has
+    generated its `max_tokens` (end-of-sequence is ignored) finishes, and its sequence id is handed to
+    the caller to clear from the cache before it is given to the next request.
+    """
+
+    def __init__(self, prompts: list[list[int]], max_tokens: list[int], max_seqs: int, max_batch_tokens: int):
+        if len(prompts) != len(max_tokens):
+            raise ValueError(f"{len(prompts)} prompts but {len(max_tokens)} output lengths")
+        if max_seqs < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_seqs ({max_seqs}) and max_batch_tokens ({max_batch_tokens}) must be >= 1")
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) > max_batch_tokens:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than a batch holds "
+                                 f"({max_batch_tokens}): it could never be scheduled")
+            if n < 1:
+                raise ValueError(f"request {i} asks for {n} tokens; every request generates at least 1")
+        self.requests = [_Request(list(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
+        self.max_batch_tokens = max_batch_tokens
+        self._waiting = list(range(len(prompts)))
+        self._running: list[int] = []
+        self._free_ids = list(range(max_seqs - 1, -1, -1))  # popped from the end: 0 first
+
+    @property
+    def done(self) -> bool:
+        return not self._waiting and not self._running
+
+    def next_batch(self) -> list[BatchEntry]:
+        entries = []
+        for r in self._running:
+            req = self.requests[r]
+            entries.append(BatchEntry(r, req.seq_id, req.output[-1], len(req.prompt) + len(req.output) - 1, True))
+        while self._waiting and self._free_ids:
+            req = self.requests[self._waiting[0]]
+            if len(entries) + len(req.prompt) > self.max_batch_tokens:
+                break
+            r = self._waiting.pop(0)
+            req.seq_id = self._free_ids.pop()
+            last = len(req.prompt) - 1
+            entries.extend(BatchEntry(r, req.seq_id, t, i, i == last) for i, t in enumerate(req.prompt))
+            self._running.append(r)
+        return entries
+
+    def advance(self, sampled: dict[int, int]) -> list[int]:
+        """Append each request's sampled token; return the sequence ids of requests that finished."""
+        if set(sampled) != set(self._running):
+            raise ValueError(f"sampled tokens for requests {sorted(sampled)}, but {sorted(self._running)} run")
+        finished = []
+        for r, token in sampled.items():
+            req = self.requests[r]
+            req.output.append(token)
+            if len(req.output) == req.max_tokens:
+                finished.append(req.seq_id)
+                self._free_ids.append(req.seq_id)
+                self._running.remove(r)
+        return finished
+
+
+class LlamaCpp:
+    """One llama.cpp context on a GGUF file through llama-cpp-python's C API, greedy only."""
+
+    def __init__(self, path, threads: int, n_ctx: int, n_batch: int, n_seq_max: int = 1, kv_unified: bool = False):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise SystemExit(BUILD_HINT) from None
+        self.lib = llama_cpp
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept alive: C holds it
+        llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_seq_max = n_ctx, n_batch, n_seq_max
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = kv_unified
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens, {n_seq_max} sequences")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_batch = n_batch
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+
+    def close(self):
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+    def _decode(self, entries) -> None:
+        b = self.batch
+        b.n_tokens = len(entries)
+        for i, (seq_id, token, pos, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq_id
+        status = self.lib.llama_decode(self.ctx, b)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status} for a batch of {len(entries)} tokens")
+
+    def logits(self, i: int) -> np.ndarray:
+        """The vocabulary scores of the batch's i-th output token (-1: the last)."""
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+
+    def prefill(self, prompt: list[int]) -> np.ndarray:
+        """Logits after `prompt`, from an empty cache."""
+        self.lib.llama_memory_clear(self.memory, True)
+        self._decode([(0, t, i, i == len(prompt) - 1) for i, t in enumerate(prompt)])
+        return self.logits(-1)
+
+    def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool = False) -> list[int]:
+        """Greedy tokens of one sequence (batch 1)."""
+        out = [int(self.prefill(prompt).argmax())]
+        while len(out) < max_tokens and not (stop_at_eos and self.lib.llama_vocab_is_eog(self.vocab, out[-1])):
+            self._decode([(0, out[-1], len(prompt) + len(out) - 1, True)])
+            out.append(int(self.logits(-1).argmax()))
+        return out
+
+    def run_workload(self, prompts, max_tokens, max_seqs: int) -> list[list[int]]:
+        """Every request to exactly its length, continuously batched over `max_seqs` sequence ids."""
+        self.lib.llama_memory_clear(self.memory, True)
+        batcher = ContinuousBatcher(prompts, max_tokens, max_seqs, self.n_batch)
+        while not batcher.done:
+            entries = batcher.next_batch()
+            self._decode([(e.seq_id, e.token, e.pos, e.logits) for e in entries])
+            rows = [(i, e.request) for i, e in enumerate(entries) if e.logits]
+            for seq_id in batcher.advance({r: int(self.logits(i).argmax()) for i, r in rows}):
+                self.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        return [req.output for req in batcher.requests]
+
+
+def available_formats() -> tuple[str, ...]:
+    """The weight formats this labkit's LLM takes (before `weight_format` existed: the dequantized one)."""
+    return WEIGHT_FORMATS if "weight_format" in inspect.signature(LLM).parameters else WEIGHT_FORMATS[:1]
+
+
+def make_llm(path, weight_format: str, dtype, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
+    extra = {"weight_format": weight_format} if "weight_format" in inspect.signature(LLM).parameters else {}
+    # No prefix caching: llama.cpp starts every timed run from an empty cache, so labkit does too.
+    return LLM(path, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, **extra)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="a known model name or a .gguf file (both engines read it)")
+    parser.add_argument("--formats", nargs="+", choices=WEIGHT_FORMATS, default=list(WEIGHT_FORMATS),
+                        help="labkit weight formats to run (those this labkit lacks are skipped, and said so)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="labkit's compute dtype (llama.cpp runs the file's own types)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads for both (1: CPU-time figures, stable on a shared machine)")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each side takes in decode and prompt timing")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prompt processing")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 96))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(8, 128))
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight, both engines")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per step, both engines")
+    parser.add_argument("--kv-unified", action="store_true",
+                        help="llama.cpp: one KV buffer shared by all sequences instead of one per sequence")
+    parser.add_argument("--agreement-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads < 1 or args.rounds < 1:
+        parser.error("--threads and --rounds must be >= 1")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    path = resolve_model_path(args.model)
+    formats = [f for f in args.formats if f in available_formats()]
+    skipped = [f for f in args.formats if f not in formats]
+    if not formats:
+        parser.error(f"this labkit has no weight_format option yet: only 'dequantized' runs (asked {args.formats})")
+
+    prompts, outputs = workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
+    long_prompt = workload(1, args.seed + 1, (args.prompt_tokens,) * 2, (1, 1))[0][0]
+    short_prompt = prompts[0][:32]
+    per_seq = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
+    single = LlamaCpp(path, args.threads, n_ctx=max(512, args.prompt_tokens + args.decode_tokens + 64),
+                      n_batch=max(512, args.prompt_tokens), n_seq_max=1)
+    print(f"model {path.name}; {args.threads} thread(s), timed in "
+          f"{'CPU' if args.threads == 1 else 'wall-clock'} seconds; labkit {args.dtype}, torch CPU "
+          f"capability {torch.backends.cpu.get_cpu_capability()}; llama-cpp-python {single.lib.__version__}: "
+          f"{single.lib.llama_print_system_info().decode().strip()}")
+    if skipped:
+        print(f"skipped: weight formats {', '.join(skipped)} (this labkit's LLM has no weight_format option yet)")
+    dtype = getattr(torch, args.dtype)
+    llms = {f: make_llm(path, f, dtype, args.max_num_seqs, args.max_batch_tokens) for f in formats}
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+
+    # 1. batch-1 decode
+    runs = {"llama.cpp": lambda p, n: single.generate(p, n)}
+    runs.update({f: (lambda p, n, llm=llm: llm.generate([p], greedy(n))) for f, llm in llms.items()})
+    decode = decode_speeds(runs, short_prompt, args.decode_tokens, rounds=args.rounds)
+    print(f"batch-1 decode, {len(short_prompt)}-token prompt + {args.decode_tokens} tokens (tok/s): "
+          f"llama.cpp {decode['llama.cpp']:.1f}; " + "; ".join(
+              f"labkit {f} {decode[f]:.1f} (ratio {decode[f] / decode['llama.cpp']:.2f})" for f in formats))
+
+    # 2. prompt processing
+    runs = {"llama.cpp": lambda: single.prefill(long_prompt).argmax()}
+    runs.update({f: (lambda llm=llm: llm.generate([long_prompt], greedy(1))) for f, llm in llms.items()})
+    best = best_times(runs, args.rounds)
+    pp = {name: len(long_prompt) / t for name, t in best.items()}
+    print(f"prompt processing, {len(long_prompt)} tokens (tok/s): llama.cpp {pp['llama.cpp']:.1f}; " + "; ".join(
+        f"labkit {f} {pp[f]:.1f} (ratio {pp[f] / pp['llama.cpp']:.2f})" for f in formats))
+
+    # 3. the 64-request workload
+    total_out = sum(outputs)
+    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {total_out} output tokens, "
+          f"up to {args.max_num_seqs} sequences and {args.max_batch_tokens} tokens per step "
+          f"(llama.cpp KV {'unified' if args.kv_unified else 'one buffer per sequence'})")
+    batched = LlamaCpp(path, args.threads, n_ctx=args.max_num_seqs * per_seq, n_batch=args.max_batch_tokens,
+                       n_seq_max=args.max_num_seqs, kv_unified=args.kv_unified)
+    batched.run_workload(prompts[:2], outputs[:2], args.max_num_seqs)  # warm-up
+    t_llama = time_it(lambda: batched.run_workload(prompts, outputs, args.max_num_seqs))
+    batched.close()
+    tput = {"llama.cpp": total_out / t_llama}
+    params = [greedy(n) for n in outputs]
+    for f, llm in llms.items():
+        llm.generate(prompts[:2], params[:2])  # warm-up
+        tput[f] = total_out / time_it(lambda llm=llm: llm.generate(prompts, params))
+    print(f"workload output tok/s: llama.cpp {tput['llama.cpp']:.1f}; " + "; ".join(
+        f"labkit {f} {tput[f]:.1f} (ratio {tput[f] / tput['llama.cpp']:.2f})" for f in formats))
+
+    # 4. greedy agreement on chat prompts, from the same prompt ids
+    tokenizer = next(iter(llms.values())).tokenizer
+    matched, total, logit_gap = dict.fromkeys(formats, 0), dict.fromkeys(formats, 0), dict.fromkeys(formats, 0.0)
+    for question in CHAT_QUESTIONS:
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                             add_generation_prompt=True))
+        reference = single.generate(ids, args.agreement_tokens, stop_at_eos=True)
+        reference_logits = torch.from_numpy(single.prefill(ids).copy())
+        for f, llm in llms.items():
+            got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
+            got = got.outputs[0].token_ids
+            matched[f] += matching_prefix(got, reference)
+            total[f] += max(len(got), len(reference))
+            with torch.inference_mode():
+                logits = llm.model(torch.tensor(ids))[-1].float()
+            logit_gap[f] = max(logit_gap[f], (logits - reference_logits).abs().max().item())
+    single.close()
+    print(f"greedy agreement with llama.cpp over {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens; "
+          "max |logit difference| after the prompt): " + "; ".join(
+              f"{f} {matched[f]}/{total[f]} ({logit_gap[f]:.3f})" for f in formats))
+    agree = [f for f in formats if matched[f] == total[f]]
+    print(f"formats whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
+    print("batch-1 decode ratio labkit/llama.cpp: " + ", ".join(
+        f"{f} {decode[f] / decode['llama.cpp']:.2f}" for f in formats))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""bench/bench_peers.py's pure-Python parts, run without llama.cpp: the continuous batcher that drives
+llama.cpp's batch API (against a fake engine whose KV cache is keyed by sequence id), the agreement
+count, and the message when llama-cpp-python is not built."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))  # bench_peers imports bench_engine as a sibling script does
+spec = importlib.util.spec_from_file_location("bench_peers", BENCH / "bench_peers.py")
+bench_peers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_peers)
+ContinuousBatcher = bench_peers.ContinuousBatcher
+
+
+def next_token(context: list[int]) -> int:
+    """A fake model's greedy choice: depends on every token before it and on their order."""
+    h = 0
+    for t in context:
+        h = (h * 31 + t) % 1009
+    return h
+
+
+class FakeEngine:
+    """A KV cache per sequence id that checks what llama.cpp would need: positions continue the cached
+    ones, a finished id is cleared before reuse, and no step exceeds the batch or the sequence ids."""
+
+    def __init__(self, max_seqs: int, max_batch_tokens: int):
+        self.max_seqs, self.max_batch_tokens = max_seqs, max_batch_tokens
+        self.cache: dict[int, list[int]] = {}
+        self.steps = 0
+
+    def decode(self, entries) -> dict[int, int]:
+        assert 0 < len(entries) <= self.max_batch_tokens
+        self.steps += 1
+        sampled = {}
+        for e in entries:
+            assert 0 <= e.seq_id < self.max_seqs
+            cached = self.cache.setdefault(e.seq_id, [])
+            assert e.pos == len(cached), f"sequence {e.seq_id}: token at {e.pos} after {len(cached)} cached"
+            cached.append(e.token)
+            if e.logits:
+                sampled[e.request] = next_token(cached)
+        return sampled
+
+    def run(self, batcher: ContinuousBatcher):
+        while not batcher.done:
+            for seq_id in batcher.advance(self.decode(batcher.next_batch())):
+                del self.cache[seq_id]
+        assert not self.cache  # every finished sequence was cleared
+        return [r.output for r in batcher.requests]
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    context, out = list(prompt), []
+    for _ in range(n):
+        out.append(next_token(context))
+        context.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("max_seqs, max_batch_tokens", [(1, 10), (3, 10), (3, 64), (8, 12)])
+def test_every_request_generates_its_own_greedy_tokens_exactly_to_its_length(max_seqs, max_batch_tokens):
+    prompts = [[5, 7, 9], [1] * 10, [2, 3], [8], [4, 4, 4, 4], [6, 1, 6], [9] * 7]
+    lengths = [4, 1, 6, 3, 2, 5, 1]
+    engine = FakeEngine(max_seqs, max_batch_tokens)
+    outputs = engine.run(ContinuousBatcher(prompts, lengths, max_seqs, max_batch_tokens))
+    assert outputs == [reference(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    if max_seqs == 1:  # one at a time: a prefill step, then one step per further token
+        assert engine.steps == sum(lengths)
+
+
+def test_running_sequences_are_not_starved_by_waiting_prompts():
+    """Decode tokens go in first: a step that admits a prompt still advances every running sequence."""
+    batcher = ContinuousBatcher([[1, 2, 3], [4, 5, 6, 7]], [3, 3], max_seqs=2, max_batch_tokens=5)
+    first = batcher.next_batch()
+    assert [e.request for e in first] == [0, 0, 0]  # request 1's 4 tokens would overflow 5
+    batcher.advance({0: 11})
+    second = batcher.next_batch()
+    assert [(e.request, e.token, e.pos, e.logits) for e in second] == [
+        (0, 11, 3, True), (1, 4, 0, False), (1, 5, 1, False), (1, 6, 2, False), (1, 7, 3, True)]
+    assert second[0].seq_id != second[1].seq_id
+
+
+@pytest.mark.parametrize("prompts, lengths, seqs, budget, message", [
+    ([[1] * 9], [2], 2, 8, "prompt 0 has 9 tokens, more than a batch holds (8)"),
+    ([[1], []], [2, 2], 2, 8, "prompt 1 is empty"),
+    ([[1], [2]], [2, 0], 2, 8, "request 1 asks for 0 tokens"),
+    ([[1], [2]], [2], 2, 8, "2 prompts but 1 output lengths"),
+    ([[1]], [2], 0, 8, "max_seqs (0)"),
+])
+def test_requests_that_could_never_run_are_refused_at_once(prompts, lengths, seqs, budget, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ContinuousBatcher(prompts, lengths, seqs, budget)
+
+
+def test_sampled_tokens_must_cover_exactly_the_running_requests():
+    batcher = ContinuousBatcher([[1, 2], [3]], [2, 2], max_seqs=2, max_batch_tokens=8)
+    batcher.next_batch()
+    with pytest.raises(ValueError, match=r"sampled tokens for requests \[0\], but \[0, 1\] run"):
+        batcher.advance({0: 5})
+
+
+def test_matching_prefix_counts_until_the_first_difference():
+    assert bench_peers.matching_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert bench_peers.matching_prefix([1, 2, 3], [1, 9, 3]) == 1
+    assert bench_peers.matching_prefix([1, 2], [1, 2, 3, 4]) == 2
+    assert bench_peers.matching_prefix([], [1]) == 0
+
+
+def test_without_llama_cpp_the_bench_says_how_to_build_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    with pytest.raises(SystemExit, match="make bench-peers` builds it from source"):
+        bench_peers.LlamaCpp("model.gguf", threads=1, n_ctx=64, n_batch=64)
+
+
+def test_make_bench_leaves_llama_cpp_to_make_bench_peers():
+    """`make bench` runs every bench script but this one, which needs llama.cpp built first."""
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "bench"], cwd=BENCH.parent,
+                         capture_output=True, text=True, check=True).stdout
+    assert "bench/bench_engine.py" in out and "bench_peers" not in out
