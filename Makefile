@@ -84,16 +84,22 @@ bench: setup
 
 # llama.cpp through llama-cpp-python, whose PyPI release is a source archive that vendors llama.cpp:
 # compiled here for this CPU (GGML_NATIVE), without GPU backends or BLAS, without OpenMP (ggml's own
-# thread pool, which the benchmark sizes), one compile job at a time so the other core stays usable.
-# Opt-in: `make check` never needs it.
+# thread pool, which the benchmark sizes), one compile job at a time so the other core stays usable,
+# and not cached (a change of flags rebuilds). Without AMX on x86: ggml's AMX matmul died of an illegal
+# instruction (tilezero) on the course's development VM, whose CPU reports AMX and runs a plain AMX
+# program. Opt-in: `make check` never needs it.
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF \
 	-DGGML_METAL=OFF -DLLAVA_BUILD=OFF
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CMAKE_ARGS += -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+	-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+endif
 
 bench-peers: setup
 	@$(BIN)/python -c "import importlib.metadata as m; exit(m.version('llama-cpp-python') != '$(LLAMA_CPP_PYTHON)')" \
 		2>/dev/null || { echo "building llama.cpp from source (llama-cpp-python $(LLAMA_CPP_PYTHON)): 10-25 minutes on two cores"; \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=1 $(BIN)/pip install -q --no-deps \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=1 $(BIN)/pip install -q --no-deps --no-cache-dir \
 		--no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON) diskcache==5.6.3; }
 	$(BIN)/python bench/bench_peers.py $(BENCH_PEERS_ARGS)
 

@@ -192,7 +192,10 @@ class LlamaCpp:
 
     def logits(self, i: int) -> np.ndarray:
         """The vocabulary scores of the batch's i-th output token (-1: the last)."""
-        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+        scores = self.lib.llama_get_logits_ith(self.ctx, i)
+        if not scores:
+            raise RuntimeError(f"llama.cpp has no logits for batch row {i}")
+        return np.ctypeslib.as_array(scores, shape=(self.n_vocab,))
 
     def prefill(self, prompt: list[int]) -> np.ndarray:
         """Logits after `prompt`, from an empty cache."""
