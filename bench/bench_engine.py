@@ -4,10 +4,16 @@ nano-vLLM's benchmark shape, scaled to a CPU: N requests of random token ids wit
 prompt and output lengths in fixed ranges, every request generating exactly its output length
 (labkit: ignore_eos; transformers: min_new_tokens = max_new_tokens). transformers runs the same
 prompts as one left-padded batch per `--hf-batch` requests, each batch to its longest requested
-output; throughput counts only requested tokens for both. Also printed: batch-1 decode speed of
-both, and the prefix cache's TTFT gain on a shared-system-prompt workload.
+output; throughput counts only requested tokens for both, in bf16 and then fp32 (the last line).
 
-    python bench/bench_engine.py            # ~3 minutes on a 2-core CPU
+Each run is also placed on this machine's roofline, measured at start: the best GEMM rate per dtype
+on the model's own matrix shapes (torch's default GEMM or oneDNN's prepacked one, whichever is
+faster) and the streaming read bandwidth. A step's floor is max(FLOPs / peak, bytes / bandwidth),
+counted from its shape (labkit.roofline.engine_step_cost); the fraction printed is the sum of the
+floors over the engine's measured time. Also printed: the kernels chosen for this CPU, batch-1
+decode of every weight format against transformers, and the prefix cache's TTFT gain.
+
+    python bench/bench_engine.py            # ~7 minutes on a 2-core CPU
 """
 
 import argparse
@@ -21,7 +27,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from labkit.engine import LLM  # noqa: E402
+from labkit.model import load_config  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
+from labkit.model.weight_formats import cpu_features, linear_kernel, prepacks_bf16  # noqa: E402
+from labkit.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
 
 SYSTEM_PROMPT = (
@@ -85,6 +94,75 @@ def prefix_ttft(llm: LLM) -> float:
     return sum(ttfts) / len(ttfts)
 
 
+def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 5) -> float:
+    """The best FLOP/s this machine reaches on the model's weight shapes [rows, in] x [in, out], over
+    torch's default GEMM and (on CPUs with native bf16) oneDNN's prepacked one."""
+    c = config
+    shapes = {(c.hidden_size, c.num_heads * c.head_dim), (c.hidden_size, c.num_kv_heads * c.head_dim),
+              (c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.vocab_size)}
+    best = 0.0
+    for k, n in sorted(shapes):
+        x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        calls = [lambda x=x, w=w: torch.nn.functional.linear(x, w)]
+        if dtype == torch.bfloat16 and prepacks_bf16():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            calls.append(lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+        for call in calls:
+            call()
+            seconds = min(time_it(call) for _ in range(repeats))
+            best = max(best, 2 * rows * k * n / seconds)
+    return best
+
+
+class StepRecorder:
+    """Stands in for the engine's `runner.forward` and notes each step's shape for the roofline."""
+
+    def __init__(self, runner):
+        self.forward, self.steps = runner.forward, []
+
+    def __call__(self, seqs, num_new_tokens, num_scored=None):
+        k_lens = [seq.num_cached_tokens + n for seq, n in zip(seqs, num_new_tokens, strict=True)]
+        out = self.forward(seqs, num_new_tokens, num_scored)
+        self.steps.append((list(num_new_tokens), k_lens, len(out.logits) if out.logits is not None else 0))
+        return out
+
+
+def roofline_seconds(config, steps, dtype_bytes: int, peak: float, bandwidth: float) -> float:
+    """The machine's floor for these steps: each costs max(FLOPs / peak, bytes / bandwidth)."""
+    costs = (engine_step_cost(config, q, k, scored, dtype_bytes) for q, k, scored in steps)
+    return sum(max(cost.flops / peak, cost.bytes_moved / bandwidth) for cost in costs)
+
+
+def hf_batches(num_requests: int, size: int) -> list[range]:
+    return [range(i, min(i + size, num_requests)) for i in range(0, num_requests, size)]
+
+
+def throughput(dtype, args, prompts, outputs, machine) -> tuple[float, LLM]:
+    """labkit and transformers on the workload in one dtype; returns labkit/transformers."""
+    name = str(dtype).removeprefix("torch.")
+    total_out = sum(outputs)
+    batches = hf_batches(len(prompts), args.hf_batch)
+    llm = LLM("smollm2", device="cpu", dtype=dtype, max_num_seqs=args.hf_batch, max_num_batched_tokens=2048)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    llm.generate(prompts[:2], params[:2])  # warm-up
+    recorder = llm.runner.forward = StepRecorder(llm.runner)
+    t_labkit = time_it(lambda: llm.generate(prompts, params))
+    del llm.runner.forward
+    floor = roofline_seconds(llm.model.config, recorder.steps, dtype.itemsize, machine[dtype], machine["bandwidth"])
+    print(f"{name} labkit:       {t_labkit:7.1f} s, {total_out / t_labkit:7.1f} output tok/s "
+          f"({llm.metrics.num_preemptions} preemptions, {len(recorder.steps)} steps); roofline floor {floor:.1f} s: "
+          f"{floor / t_labkit:.0%} of the roofline")
+
+    hf, _ = load_transformers_model("smollm2", dtype=dtype)
+    hf_generate(hf, prompts[:2], 2)  # warm-up
+    t_hf = sum(time_it(lambda b=b: hf_generate(hf, [prompts[i] for i in b], max(outputs[i] for i in b)))
+               for b in batches)
+    print(f"{name} transformers: {t_hf:7.1f} s, {total_out / t_hf:7.1f} output tok/s; "
+          f"labkit/transformers {t_hf / t_labkit:.2f}")
+    return t_hf / t_labkit, llm, hf
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -93,48 +171,48 @@ def main():
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size (labkit: max_num_seqs)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both (1 keeps figures stable on a shared CPU)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="weights and KV cache, the same for both")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype = getattr(torch, args.dtype)
+    config = load_config("smollm2")
 
     prompts, outputs = workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
-    total_out = sum(outputs)
-    batches = [range(i, min(i + args.hf_batch, len(prompts))) for i in range(0, len(prompts), args.hf_batch)]
     print(f"workload: {len(prompts)} requests, prompt lengths {args.prompt_len[0]}-{args.prompt_len[1]} "
           f"({sum(map(len, prompts))} tokens), output lengths {args.output_len[0]}-{args.output_len[1]} "
-          f"({total_out} tokens); SmolLM2-135M {args.dtype} on {torch.get_num_threads()} CPU thread(s), timed in "
+          f"({sum(outputs)} tokens); SmolLM2-135M on {torch.get_num_threads()} CPU thread(s), timed in "
           f"{'CPU' if torch.get_num_threads() == 1 else 'wall-clock'} seconds")
-    useful = sum(map(len, prompts)) + total_out
-    padded = sum(len(b) * (max(len(prompts[i]) for i in b) + max(outputs[i] for i in b)) for b in batches)
+    useful = sum(map(len, prompts)) + sum(outputs)
+    padded = sum(len(b) * (max(len(prompts[i]) for i in b) + max(outputs[i] for i in b))
+                 for b in hf_batches(len(prompts), args.hf_batch))
     print(f"token positions computed: labkit {useful}, transformers {padded} with padding "
           f"({padded / useful:.2f}x: the ratio to expect if a position cost both the same)")
+    print(f"CPU: {cpu_features()}; linear kernels: fp32 {linear_kernel('dequantized', torch.float32)}, "
+          f"bf16 {linear_kernel('dequantized', torch.bfloat16)}")
+    machine = {dtype: gemm_peak(config, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    machine["bandwidth"] = measure_read_bandwidth()
+    print(f"roofline of this machine: GEMM peak on the model's shapes fp32 {machine[torch.float32] / 1e9:.0f} "
+          f"GFLOP/s, bf16 {machine[torch.bfloat16] / 1e9:.0f} GFLOP/s; streaming read "
+          f"{machine['bandwidth'] / 1e9:.1f} GB/s")
 
-    llm = LLM("smollm2", device="cpu", dtype=dtype, max_num_seqs=args.hf_batch, max_num_batched_tokens=2048)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-    llm.generate(prompts[:2], params[:2])  # warm-up
-    t_labkit = time_it(lambda: llm.generate(prompts, params))
-    tput_labkit = total_out / t_labkit
-    print(f"labkit:       {t_labkit:7.1f} s, {tput_labkit:7.1f} output tok/s "
-          f"({llm.metrics.num_preemptions} preemptions)")
+    throughput(torch.bfloat16, args, prompts, outputs, machine)
+    ratio, llm, hf = throughput(torch.float32, args, prompts, outputs, machine)
 
-    hf, _ = load_transformers_model("smollm2", dtype=dtype)
-    hf_generate(hf, prompts[:2], 2)  # warm-up
-    t_hf = sum(time_it(lambda b=b: hf_generate(hf, [prompts[i] for i in b], max(outputs[i] for i in b)))
-               for b in batches)
-    tput_hf = total_out / t_hf
-    print(f"transformers: {t_hf:7.1f} s, {tput_hf:7.1f} output tok/s")
-
-    prompt = prompts[0][:32]
-    labkit_run = lambda p, n: llm.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
-    hf_run = lambda p, n: hf_generate(hf, [p], n)  # noqa: E731
-    speeds = decode_speeds({"labkit": labkit_run, "transformers": hf_run}, prompt, 64)
-    d_labkit, d_hf = speeds["labkit"], speeds["transformers"]
-    print(f"batch-1 decode: labkit {d_labkit:.1f} tok/s, transformers {d_hf:.1f} tok/s "
-          f"(ratio {d_labkit / d_hf:.2f})")
+    # Batch-1 decode of every weight format; the bandwidth bound is the bytes a step reads / bandwidth.
+    engines = {("dequantized", torch.float32): llm}
+    for fmt in ("int8", "q4_1"):
+        engines[(fmt, torch.bfloat16)] = LLM("smollm2", device="cpu", weight_format=fmt)
+    runs = {"transformers": lambda p, n: hf_generate(hf, [p], n)}
+    for key, engine in engines.items():
+        runs[key] = lambda p, n, e=engine: e.generate([p], SamplingParams(temperature=0, max_tokens=n,
+                                                                        ignore_eos=True))
+    speeds = decode_speeds(runs, prompts[0][:32], 64)
+    for (fmt, dtype), engine in engines.items():
+        speed, read = speeds[(fmt, dtype)], decode_bytes(engine)
+        print(f"batch-1 decode labkit {fmt} {str(dtype).removeprefix('torch.')}: {speed:6.1f} tok/s "
+              f"({speed / speeds['transformers']:.2f}x transformers fp32; {read / 1e6:.0f} MB read a token, "
+              f"{speed * read / machine['bandwidth']:.0%} of the bandwidth bound; {linear_kernel(fmt, dtype)})")
+    print(f"batch-1 decode transformers fp32: {speeds['transformers']:6.1f} tok/s")
 
     cached = LLM(llm.model, tokenizer=llm.tokenizer, enable_prefix_caching=True)
     uncached = LLM(llm.model, tokenizer=llm.tokenizer, enable_prefix_caching=False)
@@ -143,7 +221,22 @@ def main():
     print(f"prefix cache, shared {n_system}-token system prompt: mean TTFT {1000 * ttft_on:.1f} ms cached vs "
           f"{1000 * ttft_off:.1f} ms uncached ({ttft_off / ttft_on:.1f}x faster; hit rate "
           f"{cached.metrics.prefix_cache_hit_rate:.0%})")
-    print(f"throughput ratio labkit/transformers: {tput_labkit / tput_hf:.2f}")
+    print(f"throughput ratio labkit/transformers: {ratio:.2f}")
+
+
+def decode_bytes(llm: LLM) -> int:
+    """Bytes a batch-1 decode step reads at least: every weight once (the tied LM head reads the
+    embedding table; otherwise a lookup reads one row of it)."""
+    model = llm.model
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    tied = model.lm_head.__class__ is torch.nn.Linear and model.lm_head.weight is model.embed_tokens.weight
+    skip = set() if tied else {"embed_tokens.weight"}
+    seen, total = set(), 0
+    for name, t in tensors.items():
+        if name not in skip and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 if __name__ == "__main__":

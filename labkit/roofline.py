@@ -101,6 +101,19 @@ def decode_cost(c: ModelConfig, batch: int, context_len: int, dtype_bytes: int =
     return step_cost(c, batch, context_len, batch, context_len, dtype_bytes)
 
 
+def engine_step_cost(c: ModelConfig, q_lens: list[int], k_lens: list[int], num_scored_rows: int,
+                     dtype_bytes: int) -> StepCost:
+    """One engine step over a flat batch: sequence i computes q_lens[i] new tokens over a context of
+    k_lens[i] (cached + new), and only `num_scored_rows` rows go through the LM head (a prompt chunk
+    that does not end its prompt needs no logits). Query j of sequence i attends to
+    k_lens[i] - q_lens[i] + j + 1 positions. Bytes: every weight once, plus each sequence's K/V."""
+    tokens = sum(q_lens)
+    attended = sum(q * (k - q) + q * (q + 1) / 2 for q, k in zip(q_lens, k_lens, strict=True))
+    flops = (2 * c.num_layers * _linear_params_per_layer(c) * tokens + 2 * c.vocab_size * c.hidden_size
+             * num_scored_rows + c.num_layers * 4 * c.num_heads * c.head_dim * attended)
+    return StepCost(flops, weight_bytes(c, dtype_bytes) + sum(k_lens) * c.kv_cache_bytes_per_token(dtype_bytes))
+
+
 # A fixed machine for results that must not depend on the one a lab runs on: roughly an H100 SXM's
 # dense bf16 peak and its HBM3 bandwidth, rounded.
 ILLUSTRATIVE_PEAK_FLOPS = 1.0e15

@@ -25,7 +25,8 @@ def test_every_engine_option_has_help_with_its_default():
                          check=True).stdout
     options = out.split("options:")[1]
     for option, default in [("--model", "smollm2"), ("--max-tokens", "64"), ("--temperature", "0.0"),
-                            ("--seed", "0"), ("--stream", "False")]:
+                            ("--seed", "0"), ("--stream", "False"), ("--dtype", "auto"),
+                            ("--weight-format", "dequantized")]:
         entry = options.split(option, 1)[1].split("\n  -", 1)[0]
         assert f"(default: {default})" in " ".join(entry.split()), option
 
@@ -35,6 +36,9 @@ def test_a_bad_option_is_refused_before_loading_anything():
                             text=True)
     assert result.returncode == 2 and "invalid int value: 'many'" in result.stderr
     assert "loading" not in result.stdout
+    result = subprocess.run([sys.executable, "-m", "labkit.engine", "--weight-format", "q4_0"], capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "invalid choice: 'q4_0'" in result.stderr and "q4_1" in result.stderr
 
 
 def fake_tools(tmp_path: Path) -> Path:

@@ -9,7 +9,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.model.random_weights import SMOLLM2_135M, random_model
-from labkit.roofline import decode_cost, measure_matmul_flops, measure_read_bandwidth, prefill_cost, weight_bytes
+from labkit.roofline import (
+    decode_cost,
+    engine_step_cost,
+    measure_matmul_flops,
+    measure_read_bandwidth,
+    prefill_cost,
+    weight_bytes,
+)
 
 SMALL = dataclasses.replace(SMOLLM2_135M, num_layers=2, vocab_size=512)
 
@@ -44,3 +51,20 @@ def test_decode_intensity_grows_with_the_batch_until_the_kv_reads_cap_it():
 def test_measurements_are_positive_rates():
     assert math.isfinite(measure_matmul_flops(8, 16, 16, repeats=1)) and measure_matmul_flops(8, 16, 16) > 0
     assert measure_read_bandwidth(2**20, repeats=1) > 0
+
+
+def test_an_engine_step_counts_the_lm_head_only_for_scored_rows_and_each_sequences_own_context():
+    """A prefill of T tokens scoring every row is `prefill_cost`; a decode batch is `decode_cost`; a
+    mixed step is the sum of its parts minus the weights read once, and a chunk scoring no row skips
+    the LM head."""
+    c, head = SMOLLM2_135M, 2 * SMOLLM2_135M.vocab_size * SMOLLM2_135M.hidden_size
+    assert engine_step_cost(c, [33], [33], 33, 4).flops == pytest.approx(prefill_cost(c, 33).flops)
+    assert engine_step_cost(c, [33], [33], 1, 4).flops == pytest.approx(prefill_cost(c, 33).flops - 32 * head)
+    decode = engine_step_cost(c, [1] * 8, [100] * 8, 8, 2)
+    assert decode.flops == pytest.approx(decode_cost(c, 8, 100, 2).flops)
+    assert decode.bytes_moved == decode_cost(c, 8, 100, 2).bytes_moved
+    mixed = engine_step_cost(c, [1, 20], [50, 70], 1, 2)
+    chunk = engine_step_cost(c, [20], [70], 0, 2)
+    alone = engine_step_cost(c, [1], [50], 1, 2)
+    assert mixed.flops == pytest.approx(chunk.flops + alone.flops)
+    assert mixed.bytes_moved == chunk.bytes_moved + alone.bytes_moved - weight_bytes(c, 2)

@@ -29,6 +29,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (used when temperature > 0)")
     parser.add_argument("--stream", action="store_true", help="stream the answer to the first question")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="weights and activations; auto: fp32 on a CPU, bf16/fp16 on a GPU")
+    parser.add_argument("--weight-format", choices=("dequantized", "int8", "q4_1"), default="dequantized",
+                        help="q4_1: the GGUF's own 4-bit weights; int8: per-row int8 (both bf16, CPU only)")
     return parser.parse_args(argv)
 
 
@@ -37,11 +41,14 @@ def main(argv=None):
     print(f"loading {'SmolLM2-135M-Instruct' if args.model == 'smollm2' else args.model}… "
           "(importing torch, reading the weights)", flush=True)
     start = time.perf_counter()
+    import torch
+
     from labkit.device import describe_device
     from labkit.engine.llm import LLM
     from labkit.sampling import SamplingParams
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+              weight_format=args.weight_format)
     print(f"loaded in {time.perf_counter() - start:.1f} s: {describe_device(llm.device)}, {llm.model.dtype}; "
           f"KV cache: {llm.block_manager.num_blocks} blocks of {llm.block_manager.block_size} tokens\n", flush=True)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)

@@ -6,6 +6,8 @@
     outputs[0].outputs[i]          # sample i of n (SamplingParams(n=...)): .text, .token_ids, .logprobs
     llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, max_tokens=8))
     LLM("smollm2", kv_cache_dtype="int8")     # K/V as int8 with per-block scales: ~4x the fp32 blocks
+    LLM("smollm2", dtype=torch.bfloat16)      # bf16 weights and K/V (fp32 is the CPU default)
+    LLM("smollm2", weight_format="q4_1")      # the GGUF's own 4-bit weights (or "int8"), bf16 activations
     LLM("smollm2", speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))  # see speculative.py
 
 Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model
@@ -37,6 +39,7 @@ from labkit.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, num_blocks_for_memo
 from labkit.engine.metrics import EngineMetrics, RequestMetrics
 from labkit.engine.model_runner import ModelRunner
 from labkit.engine.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from labkit.engine.parts import EngineParts, PartsBlockManager, PartsModelRunner, PartsScheduler
 from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from labkit.engine.sequence import FinishReason, Sequence
 from labkit.engine.speculative import SpeculativeConfig, SpeculativeDecoder, check_supported
@@ -54,17 +57,22 @@ class LLM:
                  long_prefill_token_threshold: int = 0, priority_aging_steps: int | None = 50,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
-                 use_cuda_graph: bool = True, kv_cache_dtype: str = "auto",
-                 speculative: SpeculativeConfig | None = None, parts=None):
+                 use_cuda_graph: bool = True, kv_cache_dtype: str = "auto", weight_format: str = "dequantized",
+                 speculative: SpeculativeConfig | None = None, parts: EngineParts | None = None):
         """`parts`: an `EngineParts` (labkit/engine/parts.py) whose functions replace the engine's own
-        sampling filters, prefix lookup, free-block choice, scheduling rule and step preparation."""
+        sampling filters, prefix lookup, free-block choice, scheduling rule and step preparation.
+        `weight_format`: "dequantized", "int8" or "q4_1" (labkit/model/weight_formats.py)."""
         if isinstance(model, DecoderModel):  # already loaded: several engines can share one model
             if tokenizer is None:
                 raise ValueError("an already-loaded model needs its tokenizer: pass tokenizer=")
+            if weight_format != "dequantized":
+                raise ValueError(f"weight_format={weight_format!r} is chosen when the model is loaded: pass its name "
+                                 f"or path, or load it with labkit.model.load_model(..., weight_format=...)")
             self.model, self.device = model, model.device
         else:
             self.device = pick_device(None if device is None else str(device))
-            self.model = load_model(model, device=self.device, dtype=dtype)
+            self.model = load_model(model, device=self.device, dtype=dtype, weight_format=weight_format,
+                                    prepack=True)
         self.tokenizer = load_tokenizer(model) if tokenizer is None else tokenizer
         config = self.model.config
         if max_model_len is None:
@@ -532,8 +540,6 @@ def _components(parts):
     """The block manager, scheduler and model runner classes: labkit's, or adapters asking `parts`."""
     if parts is None:
         return SimpleNamespace(block_manager=BlockManager, scheduler=Scheduler, model_runner=ModelRunner)
-    from labkit.engine.parts import EngineParts, PartsBlockManager, PartsModelRunner, PartsScheduler
-
     if not isinstance(parts, EngineParts):
         raise TypeError(f"parts must be an EngineParts (labkit.engine.parts), got {type(parts).__name__}")
     return SimpleNamespace(block_manager=functools.partial(PartsBlockManager, parts),

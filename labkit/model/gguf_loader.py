@@ -163,10 +163,38 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         except ValueError as err:
             raise ModelFileError(f"{path.name}: tensor {tensor.name}'s data does not fill its shape {shape} "
                                  f"(truncated or corrupted file): {err}") from err
-        weight = torch.from_numpy(np.array(values, dtype=np.float32))
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_heads)
-        elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
-        state_dict[name] = weight
+        state_dict[name] = _labkit_rows(torch.from_numpy(np.array(values, dtype=np.float32)), name, config)
     return config, state_dict
+
+
+def _labkit_rows(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    """A tensor's rows in labkit's order: Llama q/k rows back from llama.cpp's rotary order."""
+    if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_rotary_rows(weight, config.num_heads)
+    if config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_rotary_rows(weight, config.num_kv_heads)
+    return weight
+
+
+Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, then 16 bytes: weight j in the low nibble of byte j, j + 16 in its high
+
+
+def load_q4_1_blocks(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The file's Q4_1 tensors as stored, by labkit name: (codes uint8 0..15 [out, in], d, m [out, in/32] fp32),
+    rows in labkit's order. d * codes + m (per group of 32) is exactly what `load_gguf` dequantizes."""
+    path = Path(path)
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, path)
+    blocks = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type != T.Q4_1:
+            continue
+        out_features, in_features = (int(d) for d in reversed(tensor.shape))
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(out_features, in_features // 32, Q4_1_BLOCK_BYTES)
+        scales = raw[..., :4].copy().view(np.float16).astype(np.float32)  # [out, groups, 2]: d, m
+        qs = raw[..., 4:]
+        codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(out_features, in_features)
+        name = _labkit_name(tensor.name, path)
+        blocks[name] = tuple(_labkit_rows(torch.from_numpy(np.ascontiguousarray(a)), name, config)
+                             for a in (codes, scales[..., 0], scales[..., 1]))
+    return blocks

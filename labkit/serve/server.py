@@ -155,6 +155,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--num-kvcache-blocks", type=int, help="default: sized from memory")
     p.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights and activations; auto: fp32 on a CPU, bf16/fp16 on a GPU")
+    p.add_argument("--weight-format", choices=("dequantized", "int8", "q4_1"), default="dequantized",
+                   help="q4_1: the GGUF's own 4-bit weights; int8: per-row int8 (both bf16, CPU only)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                   help="K/V storage; int8/fp8 keep per-block scales (torch attention backend only)")
     defaults = Limits()
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     p.add_argument("--max-prompt-tokens", type=int, help="default: what max-model-len leaves room for")
@@ -182,7 +188,9 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks, device=args.device)
+              max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks, device=args.device,
+              dtype=None if args.dtype == "auto" else getattr(torch, args.dtype), weight_format=args.weight_format,
+              kv_cache_dtype=args.kv_cache_dtype)
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_waiting)
     app = create_app(llm, args.served_model_name or args.model, batching=args.batching, limits=limits)
     sock = bind(args.host, args.port)

@@ -1,0 +1,194 @@
+"""How a model's linear weights are stored, and which CPU kernel multiplies by them.
+
+Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., weight_format=...)`:
+
+- "dequantized": float weights in the model's dtype. In bf16 on a CPU whose oneDNN has a bf16 path
+  (AVX512-BF16 or AMX) the engine reorders each weight once into oneDNN's blocked layout
+  ("prepacked"), so a call multiplies at once instead of re-laying the weight out every time; in
+  fp32 torch's default GEMM is as fast here, and the labs see plain `nn.Linear`s.
+- "int8": weight-only int8, one symmetric scale per output row (scale = max|w| / 127). A quarter of
+  fp32's bytes; activations stay bf16 and the kernel widens the codes as it multiplies.
+- "q4_1": llama.cpp's Q4_1 blocks: 32 consecutive weights of a row share a scale d and an offset m,
+  w = d * q + m with q in 0..15 (5 bits a weight with the two fp16 numbers). From a GGUF holding Q4_1
+  tensors these are the file's own blocks, bit for bit; any other model is quantized the way
+  llama.cpp's `quantize_row_q4_1` does. torch's int4 kernel stores a scale and a zero per group with
+  w = (q - 8) * scale + zero, so scale = d and zero = m + 8d carry a Q4_1 block over exactly.
+
+The quantized formats run on CPUs with bf16 activations: torch's CPU int8/int4 weight-only kernels are
+vectorized for bf16 only (their fp32 path is a scalar fallback, ~20x slower, measured). The embedding
+table stays float (a lookup reads one row per token); the LM head, which reads all of it every step,
+is int8 per row in both quantized formats (SmolLM2's GGUF stores it as Q8_0, 32 weights per scale,
+which torch has no kernel for).
+"""
+
+import platform
+from pathlib import Path
+
+import torch
+from torch import nn
+
+WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
+Q4_GROUP = 32  # weights per Q4_1 block
+
+
+def cpu_features() -> str:
+    """The CPU's widest matrix/vector extension that decides the kernels: AMX-BF16, AVX512-BF16,
+    AVX512, AVX2, NEON (Apple and other Arm) or none."""
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        return "NEON"
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"),
+                       ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "no SIMD extension")
+
+
+def prepacks_bf16() -> bool:
+    """Whether oneDNN's prepacked bf16 GEMM is the fast path on this CPU (native bf16 dot products)."""
+    return torch.backends.mkldnn.is_available() and cpu_features() in ("AMX-BF16", "AVX512-BF16")
+
+
+def linear_kernel(weight_format: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+    """Which kernel runs the model's linear layers, in words, for benchmark output."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuBLAS {_dtype_name(dtype)}"
+    features = cpu_features()
+    if weight_format == "int8":
+        return f"torch int8 weight-only, bf16 activations ({features})"
+    if weight_format == "q4_1":
+        return f"torch int4 weight-only, Q4_1 groups of 32, bf16 activations ({features})"
+    if dtype == torch.bfloat16 and prepacks_bf16():
+        return f"oneDNN prepacked bf16 ({features})"
+    return f"torch default GEMM {_dtype_name(dtype)} ({features})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class PrepackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout (bf16, CPU): reordered once, not per call."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: codes [out, in] int8 and one scale per output row; y = x (codes * scale)^T + b."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("codes", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scale)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 of a [out, in] weight: (codes uint8 0..15 [out, in], d, m [out, in/32] fp32),
+    d and m rounded to fp16 as the file stores them."""
+    out_features, in_features = weight.shape
+    if in_features % Q4_GROUP:
+        raise ValueError(f"Q4_1 needs in_features divisible by {Q4_GROUP}, got {in_features}")
+    groups = weight.detach().float().reshape(out_features, in_features // Q4_GROUP, Q4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = (high - low) / 15
+    inv_d = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.clamp(((groups - low[..., None]) * inv_d[..., None] + 0.5).to(torch.int32), 0, 15)
+    return (codes.reshape(out_features, in_features).to(torch.uint8), d.half().float(), low.half().float())
+
+
+def dequantize_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [out, in] of Q4_1 blocks: d * q + m per group of 32."""
+    out_features, in_features = codes.shape
+    groups = codes.float().reshape(out_features, in_features // Q4_GROUP, Q4_GROUP)
+    return (groups * d[..., None] + m[..., None]).reshape(out_features, in_features)
+
+
+class Q4Linear(nn.Module):
+    """Weight-only Q4_1 through torch's int4 CPU kernel: 4-bit codes packed two to a byte, and per
+    group of 32 the pair (scale, zero) = (d, m + 8d)."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        if d.shape != (self.out_features, self.in_features // Q4_GROUP) or m.shape != d.shape:
+            raise ValueError(f"Q4_1 scales {tuple(d.shape)} and offsets {tuple(m.shape)} do not match codes "
+                             f"{tuple(codes.shape)} in groups of {Q4_GROUP}")
+        if codes.numel() and int(codes.max()) > 15:
+            raise ValueError(f"Q4_1 codes must lie in 0..15, got up to {int(codes.max())}")
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+        scale_and_zero = torch.stack((d, m + 8 * d), dim=-1).transpose(0, 1).contiguous()  # [in/32, out, 2]
+        self.register_buffer("scale_and_zero", scale_and_zero.to(torch.bfloat16))
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, Q4_GROUP,
+                                                      self.scale_and_zero)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def check_weight_format(weight_format: str, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Raise ValueError naming the problem if the format cannot run in this dtype on this device."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if weight_format == "dequantized":
+        return
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"weight_format={weight_format!r} runs on the CPU only (torch's weight-only "
+                         f"kernels differ per device); on {torch.device(device).type} use weight_format='dequantized'")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"weight_format={weight_format!r} needs dtype=torch.bfloat16: torch's CPU int8/int4 "
+                         f"kernels are vectorized for bf16 activations only, got {dtype}")
+
+
+def apply_weight_format(model: nn.Module, weight_format: str, prepack: bool = False,
+                        q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
+    """Replace the model's linear layers (in place) by the format's kernels.
+
+    `prepack`: for "dequantized" bf16 on a CPU with native bf16, use oneDNN's prepacked layout.
+    `q4_blocks`: a GGUF's own Q4_1 blocks by weight name (codes, d, m); other weights are quantized here.
+    """
+    dtype, device = model.dtype, model.device
+    check_weight_format(weight_format, dtype, device)
+    if weight_format == "dequantized" and not (prepack and device.type == "cpu" and dtype == torch.bfloat16
+                                               and prepacks_bf16()):
+        return
+    q4_blocks = q4_blocks or {}
+    for module_name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            name = f"{module_name}.{child_name}" if module_name else child_name
+            setattr(module, child_name, _converted(child, name, weight_format, q4_blocks))
+
+
+def _converted(linear: nn.Linear, name: str, weight_format: str, q4_blocks: dict) -> nn.Module:
+    if weight_format == "dequantized":
+        return PrepackedLinear(linear)
+    if weight_format == "int8" or name == "lm_head" or linear.in_features % Q4_GROUP:
+        return Int8Linear(linear)
+    blocks = q4_blocks.get(f"{name}.weight") or quantize_q4_1(linear.weight)
+    return Q4Linear(*blocks, bias=linear.bias)
