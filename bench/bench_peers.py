@@ -22,7 +22,6 @@ the first time: 10-25 minutes on two cores); this script never downloads anythin
 
 import argparse
 import ctypes
-import inspect
 import os
 from dataclasses import dataclass, field
 
@@ -34,11 +33,10 @@ import torch  # noqa: E402
 from bench_engine import decode_speeds, time_it, workload  # noqa: E402
 
 from labkit.engine import LLM  # noqa: E402
+from labkit.model.weight_formats import WEIGHT_FORMATS, linear_kernel  # noqa: E402
 from labkit.registry import resolve_model_path  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
 
-# labkit's weight formats (LLM(..., weight_format=...)); "dequantized" is every labkit's default.
-WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
 CHAT_QUESTIONS = ("What is a KV cache?", "Name three planets and one fact about each.",
                   "Write a haiku about a CPU.")
 BUILD_HINT = "llama-cpp-python is not installed: `make bench-peers` builds it from source (10-25 minutes on two cores)"
@@ -224,25 +222,26 @@ class LlamaCpp:
         return [req.output for req in batcher.requests]
 
 
-def available_formats() -> tuple[str, ...]:
-    """The weight formats this labkit's LLM takes (before `weight_format` existed: the dequantized one)."""
-    return WEIGHT_FORMATS if "weight_format" in inspect.signature(LLM).parameters else WEIGHT_FORMATS[:1]
+def format_dtype(weight_format: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype labkit runs a weight format in: the quantized ones have bf16 activations only."""
+    return dtype if weight_format == "dequantized" else torch.bfloat16
 
 
 def make_llm(path, weight_format: str, dtype, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
-    extra = {"weight_format": weight_format} if "weight_format" in inspect.signature(LLM).parameters else {}
     # No prefix caching: llama.cpp starts every timed run from an empty cache, so labkit does too.
-    return LLM(path, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, **extra)
+    return LLM(path, device="cpu", dtype=format_dtype(weight_format, dtype), weight_format=weight_format,
+               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+               enable_prefix_caching=False)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="a known model name or a .gguf file (both engines read it)")
     parser.add_argument("--formats", nargs="+", choices=WEIGHT_FORMATS, default=list(WEIGHT_FORMATS),
-                        help="labkit weight formats to run (those this labkit lacks are skipped, and said so)")
+                        help="labkit weight formats to run")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="labkit's compute dtype (llama.cpp runs the file's own types)")
+                        help="labkit's dtype for the dequantized format (int8 and q4_1 run bf16 activations; "
+                             "llama.cpp runs the file's own types)")
     parser.add_argument("--threads", type=int, default=1,
                         help="threads for both (1: CPU-time figures, stable on a shared machine)")
     parser.add_argument("--rounds", type=int, default=3, help="turns each side takes in decode and prompt timing")
@@ -263,10 +262,8 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     path = resolve_model_path(args.model)
-    formats = [f for f in args.formats if f in available_formats()]
-    skipped = [f for f in args.formats if f not in formats]
-    if not formats:
-        parser.error(f"this labkit has no weight_format option yet: only 'dequantized' runs (asked {args.formats})")
+    formats = list(dict.fromkeys(args.formats))
+    dtype = getattr(torch, args.dtype)
 
     prompts, outputs = workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
     long_prompt = workload(1, args.seed + 1, (args.prompt_tokens,) * 2, (1, 1))[0][0]
@@ -275,12 +272,12 @@ def main():
     single = LlamaCpp(path, args.threads, n_ctx=max(512, args.prompt_tokens + args.decode_tokens + 64),
                       n_batch=max(512, args.prompt_tokens), n_seq_max=1)
     print(f"model {path.name}; {args.threads} thread(s), timed in "
-          f"{'CPU' if args.threads == 1 else 'wall-clock'} seconds; labkit {args.dtype}, torch CPU "
-          f"capability {torch.backends.cpu.get_cpu_capability()}; llama-cpp-python {single.lib.__version__}: "
+          f"{'CPU' if args.threads == 1 else 'wall-clock'} seconds")
+    print(f"llama.cpp (llama-cpp-python {single.lib.__version__}): the file's Q4_1/Q8_0 blocks; "
           f"{single.lib.llama_print_system_info().decode().strip()}")
-    if skipped:
-        print(f"skipped: weight formats {', '.join(skipped)} (this labkit's LLM has no weight_format option yet)")
-    dtype = getattr(torch, args.dtype)
+    for f in formats:
+        f_dtype = format_dtype(f, dtype)
+        print(f"labkit {f}: {str(f_dtype).removeprefix('torch.')}, {linear_kernel(f, f_dtype)}")
     llms = {f: make_llm(path, f, dtype, args.max_num_seqs, args.max_batch_tokens) for f in formats}
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
@@ -320,7 +317,8 @@ def main():
 
     # 4. greedy agreement on chat prompts, from the same prompt ids
     tokenizer = next(iter(llms.values())).tokenizer
-    matched, total, logit_gap = dict.fromkeys(formats, 0), dict.fromkeys(formats, 0), dict.fromkeys(formats, 0.0)
+    prefixes = {f: [] for f in formats}  # (matching prefix, longer output) per prompt
+    logit_gap = dict.fromkeys(formats, 0.0)
     for question in CHAT_QUESTIONS:
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                              add_generation_prompt=True))
@@ -329,16 +327,15 @@ def main():
         for f, llm in llms.items():
             got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
             got = got.outputs[0].token_ids
-            matched[f] += matching_prefix(got, reference)
-            total[f] += max(len(got), len(reference))
+            prefixes[f].append((matching_prefix(got, reference), max(len(got), len(reference))))
             with torch.inference_mode():
                 logits = llm.model(torch.tensor(ids))[-1].float()
             logit_gap[f] = max(logit_gap[f], (logits - reference_logits).abs().max().item())
     single.close()
-    print(f"greedy agreement with llama.cpp over {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens; "
-          "max |logit difference| after the prompt): " + "; ".join(
-              f"{f} {matched[f]}/{total[f]} ({logit_gap[f]:.3f})" for f in formats))
-    agree = [f for f in formats if matched[f] == total[f]]
+    print(f"greedy agreement with llama.cpp on {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens per "
+          "prompt; max |logit difference| after the prompt): " + "; ".join(
+              f"{f} {', '.join(f'{m}/{n}' for m, n in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
+    agree = [f for f in formats if all(m == n for m, n in prefixes[f])]
     print(f"formats whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
     print("batch-1 decode ratio labkit/llama.cpp: " + ", ".join(
         f"{f} {decode[f] / decode['llama.cpp']:.2f}" for f in formats))
