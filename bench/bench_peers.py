@@ -52,6 +52,17 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def top2_margin(logits: np.ndarray) -> float:
+    """How far the greedy choice is ahead of the runner-up: a small margin makes a tie that rounding
+    differences between two engines may break either way."""
+    second, first = np.partition(logits, -2)[-2:]
+    return float(first - second)
+
+
+def agreement_note(matched: int, total: int, margin: float | None) -> str:
+    return f"{matched}/{total}" + ("" if margin is None else f" (gap {margin:.2f})")
+
+
 def best_times(runs: dict, rounds: int) -> dict:
     """Best time of each run over `rounds`; the runs take turns, so a burst of load on a shared machine
     does not land on one of them only."""
@@ -317,7 +328,7 @@ def main():
 
     # 4. greedy agreement on chat prompts, from the same prompt ids
     tokenizer = next(iter(llms.values())).tokenizer
-    prefixes = {f: [] for f in formats}  # (matching prefix, longer output) per prompt
+    prefixes = {f: [] for f in formats}  # per prompt: matching prefix, longer output, llama.cpp's margin there
     logit_gap = dict.fromkeys(formats, 0.0)
     for question in CHAT_QUESTIONS:
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
@@ -327,15 +338,18 @@ def main():
         for f, llm in llms.items():
             got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
             got = got.outputs[0].token_ids
-            prefixes[f].append((matching_prefix(got, reference), max(len(got), len(reference))))
+            m = matching_prefix(got, reference)
+            margin = top2_margin(single.prefill(ids + reference[:m])) if m < min(len(got), len(reference)) else None
+            prefixes[f].append((m, max(len(got), len(reference)), margin))
             with torch.inference_mode():
                 logits = llm.model(torch.tensor(ids))[-1].float()
             logit_gap[f] = max(logit_gap[f], (logits - reference_logits).abs().max().item())
     single.close()
     print(f"greedy agreement with llama.cpp on {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens per "
-          "prompt; max |logit difference| after the prompt): " + "; ".join(
-              f"{f} {', '.join(f'{m}/{n}' for m, n in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
-    agree = [f for f in formats if all(m == n for m, n in prefixes[f])]
+          "prompt, and where they part llama.cpp's own gap between its top two logits; max |logit difference| "
+          "after the prompt): " + "; ".join(
+              f"{f} {', '.join(agreement_note(*p) for p in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
+    agree = [f for f in formats if all(m == n for m, n, _ in prefixes[f])]
     print(f"formats whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
     print("batch-1 decode ratio labkit/llama.cpp: " + ", ".join(
         f"{f} {decode[f] / decode['llama.cpp']:.2f}" for f in formats))

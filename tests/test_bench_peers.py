@@ -123,3 +123,11 @@ def test_make_bench_leaves_llama_cpp_to_make_bench_peers():
     out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "bench"], cwd=BENCH.parent,
                          capture_output=True, text=True, check=True).stdout
     assert "bench/bench_engine.py" in out and "bench_peers" not in out
+
+
+def test_top2_margin_and_agreement_note():
+    import numpy as np
+    assert bench_peers.top2_margin(np.array([1.0, 5.0, 4.5, -2.0], dtype=np.float32)) == pytest.approx(0.5)
+    assert bench_peers.top2_margin(np.array([3.0, 3.0])) == 0.0
+    assert bench_peers.agreement_note(48, 48, None) == "48/48"
+    assert bench_peers.agreement_note(0, 48, 0.0432) == "0/48 (gap 0.04)"
