@@ -144,7 +144,7 @@ INLINE void decode(const void *q, const void *k_cache, const void *v_cache, cons
             for (int i = 0; i < num_heads; i++) { /* online softmax: fold this block into the running sums */
                 float *scores = (float *)weight[i];
                 for (int t = n; t < 16 * used_chunks; t++)
-                    scores[t] = -FLT_MAX; /* padding of a partly filled last block: never the max */
+                    scores[t] = -FLT_MAX; /* padding of a partly filled last block: weighs e^-87, */
                 f32x16 max_lanes = weight[i][0];
                 for (int c = 1; c < used_chunks; c++)
                     max_lanes = max16(max_lanes, weight[i][c]);
@@ -152,11 +152,9 @@ INLINE void decode(const void *q, const void *k_cache, const void *v_cache, cons
                 const float new_max = block_max > running_max[i] ? block_max : running_max[i];
                 for (int c = 0; c < used_chunks; c++)
                     weight[i][c] = exp16_nonpositive(weight[i][c] - new_max);
-                for (int t = n; t < 16 * used_chunks; t++)
-                    scores[t] = 0.0f; /* and of no weight */
                 f32x16 sum_lanes = weight[i][0];
                 for (int c = 1; c < used_chunks; c++)
-                    sum_lanes += weight[i][c];
+                    sum_lanes += weight[i][c]; /* which vanishes next to the max's weight of 1 */
                 const float alpha = exp_nonpositive(running_max[i] - new_max);
                 denom[i] = denom[i] * alpha + sum16(sum_lanes);
                 for (int c = 0; c < chunks; c++)
