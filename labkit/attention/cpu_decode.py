@@ -38,16 +38,17 @@ def find_c_compiler() -> str | None:
 
 
 def cpu_target() -> tuple[str, list[str]]:
-    """(a name for this CPU's vector ISA, the compiler flags that target it)."""
+    """(a name for this CPU's vector ISA, the compiler flags that target it, with the kernel's vector
+    width LANES: one register of that ISA)."""
     machine = platform.machine().lower()
     if machine in ("arm64", "aarch64"):
-        return "NEON", ["-mcpu=apple-m1" if sys.platform == "darwin" else "-mcpu=native"]
+        return "NEON", ["-mcpu=apple-m1" if sys.platform == "darwin" else "-mcpu=native", "-DLANES=4"]
     capability = torch.backends.cpu.get_cpu_capability()  # torch's own dispatch choice: AVX512, AVX2, ...
     if capability == "AVX512":
-        return "AVX-512", ["-march=x86-64-v4", "-mprefer-vector-width=512"]
+        return "AVX-512", ["-march=x86-64-v4", "-mprefer-vector-width=512", "-DLANES=16"]
     if capability == "AVX2":
-        return "AVX2", ["-march=x86-64-v3"]
-    return "generic", []
+        return "AVX2", ["-march=x86-64-v3", "-DLANES=8"]
+    return "generic", ["-DLANES=4"]
 
 
 def cache_dir() -> Path:
