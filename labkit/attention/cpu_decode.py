@@ -29,7 +29,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 _ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
-_MAX_BLOCK_SIZE = 4096  # the kernel keeps one block's scores per query head on its stack
+_MAX_BLOCK_SIZE = 1024  # the kernel keeps one block's scores per query head on its stack
 
 
 def find_c_compiler() -> str | None:
