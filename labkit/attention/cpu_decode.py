@@ -80,9 +80,9 @@ def _load() -> _Kernel | str:
         return "no C compiler"
     target, flags = cpu_target()
     command = [compiler, "-O3", "-shared", "-fPIC", *flags]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, platform.machine()]).encode()).hexdigest()[:16]
-    library = cache_dir() / f"paged_decode-{key}.so"
     try:
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, platform.machine()]).encode()).hexdigest()
+        library = cache_dir() / f"paged_decode-{key[:16]}.so"
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)
             fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
