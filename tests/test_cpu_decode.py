@@ -1,7 +1,10 @@
 """The C decode kernel (labkit.attention.cpu_decode) against torch's SDPA and the gather path, its
 fallback when there is no compiler, its build cache, and its refusal of bad input."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +174,15 @@ def test_bad_inputs_raise_clear_errors_before_the_kernel_runs(compiled):
         cpu_decode.DecodePlan(tables, torch.tensor([3, 0]), 8)
     with pytest.raises(ValueError, match=r"need \[B, max_blocks\] and \[B\]"):
         cpu_decode.DecodePlan(tables, lens[:1], 8)
+
+
+def test_two_processes_building_at_once_leave_one_whole_library(tmp_path):
+    """Both compile into the same empty cache; each renames its own temporary file into place, so
+    both load a whole library and exactly one file remains."""
+    code = "from labkit.attention import cpu_decode; print(cpu_decode.decode_attention_kernel())"
+    env = {**os.environ, "LABKIT_CACHE_DIR": str(tmp_path)}
+    builds = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    names = [build.communicate(timeout=120)[0].strip() for build in builds]
+    assert names == [cpu_decode.decode_attention_kernel()] * 2
+    assert len(list(tmp_path.iterdir())) == (1 if names[0].startswith("C/") else 0)
