@@ -7,10 +7,11 @@
  *   block_tables      [num_seqs, max_blocks] int32, context_lens [num_seqs] int32
  * Element type: float32 or bfloat16 (q, caches and out alike); every sum is in float32.
  *
- * Per (sequence, KV head) the group of query heads sharing that KV head is processed together, so
- * each K and V row is read once for the whole group (GQA). Blocks are visited in table order with
- * the online softmax of the PagedAttention lesson ("Block-wise Softmax Computation"): a running
- * max, a running denominator and a running weighted sum of values, rescaled when the max grows.
+ * Blocks are visited in table order and read in memory order, token by token; each token's K (and
+ * V) row of a KV head is read once for the group of query heads sharing it (GQA). Each query head
+ * keeps the online softmax of the PagedAttention lesson ("Block-wise Softmax Computation"): a
+ * running max, a running denominator and a running weighted sum of values, rescaled when the max
+ * grows, so no block needs another in memory.
  *
  * Single-threaded: the engine runs one thread per process in its tests and benchmarks. The caller
  * (labkit/attention/cpu_decode.py) validates every shape, dtype and block id before calling; this
