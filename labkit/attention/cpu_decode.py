@@ -149,20 +149,25 @@ class DecodePlan:
         self.block_tables = block_tables.to(torch.int32).contiguous()
         self.context_lens = context_lens.to(torch.int32).contiguous()
         self.block_size, self.tokens = block_size, tokens
+        self._kernel = kernel()
+        if self._kernel is None:
+            raise RuntimeError(f"the C decode kernel is unavailable: {decode_attention_kernel()}")
+        self._checked = None  # the layout of the last inputs `_check` accepted: every layer's is the same
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] (one query per sequence) and the layer's block pools [N, block_size, Hkv, D] -> [B, H, D]."""
-        compiled = kernel()
-        if compiled is None:
-            raise RuntimeError(f"the C decode kernel is unavailable: {decode_attention_kernel()}")
-        self._check(q, k_cache, v_cache)
+        layout = (q.dtype, q.device, q.shape, k_cache.dtype, k_cache.device, k_cache.shape, k_cache.stride(),
+                  v_cache.dtype, v_cache.device, v_cache.shape, v_cache.stride())
+        if layout != self._checked:  # checked by the step's first layer; a batch-1 decode feels every microsecond
+            self._check(q, k_cache, v_cache)
+            self._checked = layout
         q = q.contiguous()
         out = torch.empty_like(q)
         num_seqs, num_heads, dim = q.shape
-        compiled.functions[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                    self.block_tables.data_ptr(), self.context_lens.data_ptr(), out.data_ptr(),
-                                    num_seqs, num_heads, k_cache.shape[2], dim, self.block_size,
-                                    self.block_tables.shape[1], dim ** -0.5)
+        self._kernel.functions[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                        self.block_tables.data_ptr(), self.context_lens.data_ptr(), out.data_ptr(),
+                                        num_seqs, num_heads, k_cache.shape[2], dim, self.block_size,
+                                        self.block_tables.shape[1], dim ** -0.5)
         return out
 
     def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
