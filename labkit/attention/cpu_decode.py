@@ -42,7 +42,10 @@ def cpu_target() -> tuple[str, list[str]]:
     width LANES: one register of that ISA)."""
     machine = platform.machine().lower()
     if machine in ("arm64", "aarch64"):
-        return "NEON", ["-mcpu=apple-m1" if sys.platform == "darwin" else "-mcpu=native", "-DLANES=4"]
+        # NEON is in every AArch64 CPU. Not -mcpu=native: the cache key names the flags, not the exact
+        # CPU, and one home directory may serve different ARM machines.
+        flag = "-mcpu=apple-m1" if sys.platform == "darwin" else "-march=armv8-a"
+        return "NEON", [flag, "-DLANES=4"]
     capability = torch.backends.cpu.get_cpu_capability()  # torch's own dispatch choice: AVX512, AVX2, ...
     if capability == "AVX512":
         return "AVX-512", ["-march=x86-64-v4", "-mprefer-vector-width=512", "-DLANES=16"]
