@@ -13,6 +13,8 @@ BENCHES := $(filter-out bench/bench_engine.py bench/bench_peers.py,$(wildcard be
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
+# labkit's C decode-attention kernel is compiled at first use; keep the build in the checkout.
+export LABKIT_CACHE_DIR ?= $(CURDIR)/.cache/labkit
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 # One thread per process where tests and notebooks run two at a time on CI's two cores (torch's default
 # of one thread per core would oversubscribe them). `make lab`, the demo and benchmarks use every core.

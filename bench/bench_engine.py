@@ -26,6 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from labkit.attention.cpu_decode import decode_attention_kernel  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
 from labkit.model import load_config  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
@@ -188,7 +189,7 @@ def main():
     print(f"token positions computed: labkit {useful}, transformers {padded} with padding "
           f"({padded / useful:.2f}x: the ratio to expect if a position cost both the same)")
     print(f"CPU: {cpu_features()}; linear kernels: fp32 {linear_kernel('dequantized', torch.float32)}, "
-          f"bf16 {linear_kernel('dequantized', torch.bfloat16)}")
+          f"bf16 {linear_kernel('dequantized', torch.bfloat16)}; decode attention: {decode_attention_kernel()}")
     machine = {dtype: gemm_peak(config, dtype) for dtype in (torch.float32, torch.bfloat16)}
     machine["bandwidth"] = measure_read_bandwidth()
     print(f"roofline of this machine: GEMM peak on the model's shapes fp32 {machine[torch.float32] / 1e9:.0f} "

@@ -1,11 +1,14 @@
-"""Speed of the torch paged-attention backend (the engine's CPU path) against SDPA on contiguous K/V.
+"""Speed of the engine's CPU paged attention against SDPA on contiguous K/V.
 
 The reference is what a contiguous cache would cost: torch's scaled_dot_product_attention on K/V
-already laid out per sequence. The paged path pays for the gather through the block table and for
-padding a mixed batch. It is timed as a layer runs it in the engine: the step's plan (indices,
-masks, gather workspace) already made by the first layer. SmolLM2-135M's attention shape (9 query
-heads, 3 KV heads, head_dim 64), fp32, on this machine's CPU. Prints ratios (paged time / SDPA
-time); lower is better, 1.0 is parity.
+already laid out per sequence. The torch gather path pays for copying each sequence's context out
+of the block pool and for padding a mixed batch; the engine's decode rows instead go to the C kernel
+that reads the pool through the block tables (`labkit.attention.cpu_decode`, named in the first
+line). Both are timed as a layer runs them in the engine: the step's plan (indices, masks, gather
+workspace, int32 tables) already made by the first layer. SmolLM2-135M's attention shape (9 query
+heads, 3 KV heads, head_dim 64) on this machine's CPU, one thread in the kernel. Prints times and
+ratios: gather / SDPA (lower is better, 1.0 is parity) and gather / engine (the kernel's speed-up;
+"-" where a step has no decode rows, which keep the gather).
 """
 
 import time
@@ -14,7 +17,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from labkit.attention import reference
+from labkit.attention import cpu_decode, reference
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
@@ -29,18 +32,18 @@ def best_of(fn, repeats=30):
     return min(times)
 
 
-def setup(k_lens, q_lens, seed=0):
+def setup(k_lens, q_lens, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-n // BLOCK) for n in k_lens]
-    k_cache = torch.randn(sum(blocks), BLOCK, KV_HEADS, DIM, generator=g)
-    v_cache = torch.randn(sum(blocks), BLOCK, KV_HEADS, DIM, generator=g)
+    k_cache = torch.randn(sum(blocks), BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
+    v_cache = torch.randn(sum(blocks), BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
     perm = torch.randperm(sum(blocks), generator=g)
     tables = torch.full((len(k_lens), max(blocks)), -1, dtype=torch.int32)
     start = 0
     for i, n in enumerate(blocks):
         tables[i, :n] = perm[start:start + n].int()
         start += n
-    q = torch.randn(sum(q_lens), HEADS, DIM, generator=g)
+    q = torch.randn(sum(q_lens), HEADS, DIM, generator=g).to(dtype)
     cu_q, cu_k = torch.tensor([0, *q_lens]).cumsum(0), torch.tensor([0, *k_lens]).cumsum(0)
     contiguous = [tuple(reference.gather_kv(cache, tables[i:i + 1], n)[0] for cache in (k_cache, v_cache))
                   for i, n in enumerate(k_lens)]
@@ -60,19 +63,28 @@ def sdpa_per_sequence(q, cu_q, contiguous):
 
 
 def main():
+    float32, bfloat16 = torch.float32, torch.bfloat16
     cases = [
-        ("decode, 16 seqs x 512 tokens", [512] * 16, [1] * 16),
-        ("decode, 16 seqs of 64..1024 tokens", list(range(64, 1025, 64)), [1] * 16),
-        ("prefill over a 256-token cached prefix, 4 x 128 new", [384] * 4, [128] * 4),
-        ("mixed: one 256-token prefill + 15 decodes of 512", [256] + [512] * 15, [256] + [1] * 15),
+        ("decode, 16 seqs x 512 tokens", [512] * 16, [1] * 16, float32),
+        ("decode, 16 seqs of 64..1024 tokens", list(range(64, 1025, 64)), [1] * 16, float32),
+        ("decode, 64 seqs x 128 tokens", [128] * 64, [1] * 64, float32),
+        ("decode, 16 seqs x 512 tokens, bf16", [512] * 16, [1] * 16, bfloat16),
+        ("prefill over a 256-token cached prefix, 4 x 128 new", [384] * 4, [128] * 4, float32),
+        ("mixed: one 256-token prefill + 15 decodes of 512", [256] + [512] * 15, [256] + [1] * 15, float32),
     ]
-    print(f"{'case':<52} | paged torch | SDPA contiguous | ratio")
-    for name, k_lens, q_lens in cases:
-        q, k_cache, v_cache, tables, cu_q, cu_k, contiguous = setup(k_lens, q_lens)
-        plan = reference.PagedAttentionPlan(cu_q, cu_k, tables, BLOCK, HEADS // KV_HEADS, always_read_cache=True)
-        paged = best_of(partial(plan.run, q, None, None, k_cache, v_cache))
+    kernel = cpu_decode.decode_attention_kernel()
+    decode_group = cpu_decode.DecodePlan if cpu_decode.kernel() is not None else None
+    print(f"decode attention kernel: {kernel}")
+    print(f"{'case':<52} | torch gather | engine (decode: {kernel}) | SDPA contiguous | gather/SDPA | gather/engine")
+    for name, k_lens, q_lens, dtype in cases:
+        q, k_cache, v_cache, tables, cu_q, cu_k, contiguous = setup(k_lens, q_lens, dtype)
+        plans = [reference.PagedAttentionPlan(cu_q, cu_k, tables, BLOCK, HEADS // KV_HEADS, always_read_cache=True,
+                                              decode_group=group) for group in (None, decode_group)]
+        gather, engine = (best_of(partial(plan.run, q, None, None, k_cache, v_cache)) for plan in plans)
         dense = best_of(partial(sdpa_per_sequence, q, cu_q, contiguous))
-        print(f"{name:<52} | {paged * 1e3:>8.2f} ms | {dense * 1e3:>12.2f} ms | {paged / dense:>5.2f}x")
+        speedup = f"{gather / engine:>12.2f}x" if decode_group and 1 in q_lens else f"{'-':>13}"
+        print(f"{name:<52} | {gather * 1e3:>9.2f} ms | {engine * 1e3:>{len(kernel) + 14}.2f} ms | "
+              f"{dense * 1e3:>12.2f} ms | {gather / dense:>10.2f}x | {speedup}")
 
 
 if __name__ == "__main__":

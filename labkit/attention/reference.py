@@ -148,7 +148,7 @@ class PagedAttentionPlan:
     """
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_tables: torch.Tensor | None,
-                 block_size: int, group: int, always_read_cache: bool = False):
+                 block_size: int, group: int, always_read_cache: bool = False, decode_group=None):
         q_lens, k_lens = cu_seqlens_q.diff(), cu_seqlens_k.diff()
         only_new_tokens = torch.equal(q_lens, k_lens)
         if block_tables is None and not only_new_tokens:
@@ -157,14 +157,24 @@ class PagedAttentionPlan:
         # A batch with no cached prefix can attend over the new tokens' own K/V: no gather needed.
         self.reads_cache = block_tables is not None and (always_read_cache or not only_new_tokens)
         is_decode = q_lens == 1
+        # `decode_group(block_tables, context_lens, block_size, tokens)`, if given, serves the decode rows
+        # that read the cache instead of a padded gather (the C kernel's `cpu_decode.DecodePlan`).
+        direct_decode = decode_group is not None and self.reads_cache
         if not self.reads_cache or not bool(is_decode.any()) or bool(is_decode.all()):
-            tables = block_tables if self.reads_cache else None
-            self.groups = [_PaddedGroup(None, q_lens, k_lens, tables, block_size, group)]
+            if direct_decode and bool(is_decode.all()):
+                self.groups = [decode_group(block_tables, k_lens, block_size, None)]
+            else:
+                tables = block_tables if self.reads_cache else None
+                self.groups = [_PaddedGroup(None, q_lens, k_lens, tables, block_size, group)]
         else:
             seq_index, _ = _flat_to_padded_index(cu_seqlens_q)
-            self.groups = [_PaddedGroup(torch.nonzero(rows[seq_index]).flatten(), q_lens[rows], k_lens[rows],
-                                        block_tables[rows], block_size, group)
-                           for rows in (is_decode, ~is_decode)]
+            tokens = [torch.nonzero(rows[seq_index]).flatten() for rows in (is_decode, ~is_decode)]
+            decodes = (decode_group(block_tables[is_decode], k_lens[is_decode], block_size, tokens[0])
+                       if direct_decode else
+                       _PaddedGroup(tokens[0], q_lens[is_decode], k_lens[is_decode], block_tables[is_decode],
+                                    block_size, group))
+            self.groups = [decodes, _PaddedGroup(tokens[1], q_lens[~is_decode], k_lens[~is_decode],
+                                                 block_tables[~is_decode], block_size, group)]
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None = None,
             v_cache: torch.Tensor | None = None) -> torch.Tensor:

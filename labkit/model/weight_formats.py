@@ -15,7 +15,9 @@ Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., wei
   w = (q - 8) * scale + zero, so scale = d and zero = m + 8d carry a Q4_1 block over exactly.
 
 The quantized formats run on CPUs with bf16 activations: torch's CPU int8/int4 weight-only kernels are
-vectorized for bf16 only (their fp32 path is a scalar fallback, ~20x slower, measured). The embedding
+vectorized for bf16 only (their fp32 path is a scalar fallback, ~20x slower, measured). They are a
+batch-1 and memory choice: those kernels widen the codes again for every row of activations, so their
+time grows with the batch, where a float GEMM's barely does (`make bench` prints batch 1). The embedding
 table stays float (a lookup reads one row per token); the LM head, which reads all of it every step,
 is int8 per row in both quantized formats (SmolLM2's GGUF stores it as Q8_0, 32 weights per scale,
 which torch has no kernel for).
