@@ -30,7 +30,7 @@ from labkit.attention.cpu_decode import decode_attention_kernel  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
 from labkit.model import load_config  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
-from labkit.model.weight_formats import cpu_features, linear_kernel, prepacks_bf16  # noqa: E402
+from labkit.model.weight_formats import PrepackedLinear, cpu_features, linear_kernel, prepacks_bf16  # noqa: E402
 from labkit.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
 
@@ -104,14 +104,11 @@ def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 5) -> 
               (c.hidden_size, c.vocab_size)}
     best = 0.0
     for k, n in sorted(shapes):
-        x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-        calls = [lambda x=x, w=w: torch.nn.functional.linear(x, w)]
-        if dtype == torch.bfloat16 and prepacks_bf16():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-            calls.append(lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+        x, linear = torch.randn(rows, k, dtype=dtype), torch.nn.Linear(k, n, bias=False, dtype=dtype)
+        calls = [linear, PrepackedLinear(linear)] if dtype == torch.bfloat16 and prepacks_bf16() else [linear]
         for call in calls:
-            call()
-            seconds = min(time_it(call) for _ in range(repeats))
+            call(x)
+            seconds = min(time_it(lambda call=call, x=x: call(x)) for _ in range(repeats))
             best = max(best, 2 * rows * k * n / seconds)
     return best
 
@@ -139,8 +136,9 @@ def hf_batches(num_requests: int, size: int) -> list[range]:
     return [range(i, min(i + size, num_requests)) for i in range(0, num_requests, size)]
 
 
-def throughput(dtype, args, prompts, outputs, machine) -> tuple[float, LLM]:
-    """labkit and transformers on the workload in one dtype; returns labkit/transformers."""
+def throughput(dtype, args, prompts, outputs, machine):
+    """labkit and transformers on the workload in one dtype: (labkit/transformers, labkit's engine,
+    transformers' model), the two reused by the batch-1 and prefix-cache figures."""
     name = str(dtype).removeprefix("torch.")
     total_out = sum(outputs)
     batches = hf_batches(len(prompts), args.hf_batch)
@@ -226,19 +224,13 @@ def main():
 
 
 def decode_bytes(llm: LLM) -> int:
-    """Bytes a batch-1 decode step reads at least: every weight once (the tied LM head reads the
-    embedding table; otherwise a lookup reads one row of it)."""
+    """Bytes a batch-1 decode step reads at least: every weight once. The embedding table counts only
+    when the LM head multiplies by it (tied); a lookup alone reads one row of it."""
     model = llm.model
-    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    tied = model.lm_head.__class__ is torch.nn.Linear and model.lm_head.weight is model.embed_tokens.weight
-    skip = set() if tied else {"embed_tokens.weight"}
-    seen, total = set(), 0
-    for name, t in tensors.items():
-        if name not in skip and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
+    embedding = model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is embedding
+    tensors = [*model.parameters(), *model.buffers()]  # parameters() lists a tied weight once
+    return sum(t.numel() * t.element_size() for t in tensors if tied or t is not embedding)
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,9 @@ import urllib.request
 import torch
 import uvicorn
 
+from labkit.cache.kv_quant import KV_CACHE_DTYPES
 from labkit.engine import LLM
+from labkit.model.weight_formats import WEIGHT_FORMATS
 from labkit.serve.app import create_app
 from labkit.serve.engine_loop import BATCHING_MODES
 from labkit.serve.protocol import Limits
@@ -157,9 +159,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: CUDA when present)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and activations; auto: fp32 on a CPU, bf16/fp16 on a GPU")
-    p.add_argument("--weight-format", choices=("dequantized", "int8", "q4_1"), default="dequantized",
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="dequantized",
                    help="q4_1: the GGUF's own 4-bit weights; int8: per-row int8 (both bf16, CPU only)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="K/V storage; int8/fp8 keep per-block scales (torch attention backend only)")
     defaults = Limits()
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
