@@ -7,20 +7,21 @@ Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., wei
   ("prepacked"), so a call multiplies at once instead of re-laying the weight out every time; in
   fp32 torch's default GEMM is as fast here, and the labs see plain `nn.Linear`s.
 - "int8": weight-only int8, one symmetric scale per output row (scale = max|w| / 127). A quarter of
-  fp32's bytes; activations stay bf16 and the kernel widens the codes as it multiplies.
+  fp32's bytes.
 - "q4_1": llama.cpp's Q4_1 blocks: 32 consecutive weights of a row share a scale d and an offset m,
   w = d * q + m with q in 0..15 (5 bits a weight with the two fp16 numbers). From a GGUF holding Q4_1
   tensors these are the file's own blocks, bit for bit; any other model is quantized the way
-  llama.cpp's `quantize_row_q4_1` does. torch's int4 kernel stores a scale and a zero per group with
-  w = (q - 8) * scale + zero, so scale = d and zero = m + 8d carry a Q4_1 block over exactly.
+  llama.cpp's `quantize_row_q4_1` does.
 
-The quantized formats run on CPUs with bf16 activations: torch's CPU int8/int4 weight-only kernels are
-vectorized for bf16 only (their fp32 path is a scalar fallback, ~20x slower, measured). They are a
-batch-1 and memory choice: those kernels widen the codes again for every row of activations, so their
-time grows with the batch, where a float GEMM's barely does (`make bench` prints batch 1). The embedding
-table stays float (a lookup reads one row per token); the LM head, which reads all of it every step,
-is int8 per row in both quantized formats (SmolLM2's GGUF stores it as Q8_0, 32 weights per scale,
-which torch has no kernel for).
+The quantized formats are a batch-1 and memory choice. Where the C int8 dot kernel builds
+(`int8_dot.py`), it multiplies the codes by activations quantized to int8 per group of 32, as
+llama.cpp does, in float32 or bfloat16 models; batches of more than a few rows (prefill) dequantize
+the weight for a float GEMM instead. Without it, torch's weight-only kernels run: they widen the codes
+to floats for every row of activations and are vectorized for bf16 only (their fp32 path is a scalar
+fallback, ~20x slower, measured), so bf16 is required there. torch's int4 kernel stores a scale and a
+zero per group with w = (q - 8) * scale + zero, so scale = d and zero = m + 8d carry a Q4_1 block over
+exactly. The embedding table stays float (a lookup reads one row per token); the LM head, which reads
+all of it every step, is int8 per row in both quantized formats (SmolLM2's GGUF stores it as Q8_0).
 """
 
 import platform
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from labkit.model import int8_dot
 
 WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
 Q4_GROUP = 32  # weights per Q4_1 block
@@ -63,10 +66,13 @@ def linear_kernel(weight_format: str, dtype: torch.dtype, device: torch.device |
     if device.type == "cuda":
         return f"cuBLAS {_dtype_name(dtype)}"
     features = cpu_features()
+    if weight_format in ("int8", "q4_1") and int8_dot.available():
+        return (f"{int8_dot.kernel_name()} {'Q4_1' if weight_format == 'q4_1' else 'int8'} x int8 activations "
+                f"per 32, float GEMM of the dequantized weight above {int8_dot.DENSE_FROM_ROWS} rows")
     if weight_format == "int8":
-        return f"torch int8 weight-only, bf16 activations ({features})"
+        return f"torch int8 weight-only, bf16 activations ({features}; {int8_dot.kernel_name()})"
     if weight_format == "q4_1":
-        return f"torch int4 weight-only, Q4_1 groups of 32, bf16 activations ({features})"
+        return f"torch int4 weight-only, Q4_1 groups of 32, bf16 activations ({features}; {int8_dot.kernel_name()})"
     if dtype == torch.bfloat16 and prepacks_bf16():
         return f"oneDNN prepacked bf16 ({features})"
     return f"torch default GEMM {_dtype_name(dtype)} ({features})"
@@ -90,20 +96,27 @@ class PrepackedLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8: codes [out, in] int8 and one scale per output row; y = x (codes * scale)^T + b."""
+    """Weight-only int8: codes [out, in] int8 and one scale per output row; y = x (codes * scale)^T + b.
+    Multiplied by the C int8 dot kernel when it builds here, else by torch's kernel."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("codes", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
+        codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.native = int8_dot.pack_int8(codes, scale) if int8_dot.available() else None
+        if self.native is None:
+            self.register_buffer("codes", codes)
+            self.register_buffer("scale", scale.to(torch.bfloat16))
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scale)
-        y = y.view(*x.shape[:-1], self.out_features)
+        if self.native is not None:
+            y = self.native(x)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scale)
+            y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -140,15 +153,20 @@ class Q4Linear(nn.Module):
                              f"{tuple(codes.shape)} in groups of {Q4_GROUP}")
         if codes.numel() and int(codes.max()) > 15:
             raise ValueError(f"Q4_1 codes must lie in 0..15, got up to {int(codes.max())}")
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-        scale_and_zero = torch.stack((d, m + 8 * d), dim=-1).transpose(0, 1).contiguous()  # [in/32, out, 2]
-        self.register_buffer("scale_and_zero", scale_and_zero.to(torch.bfloat16))
+        self.native = int8_dot.pack_q4_1(codes, d, m) if int8_dot.available() else None
+        if self.native is None:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+            scale_and_zero = torch.stack((d, m + 8 * d), dim=-1).transpose(0, 1).contiguous()  # [in/32, out, 2]
+            self.register_buffer("scale_and_zero", scale_and_zero.to(torch.bfloat16))
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, Q4_GROUP,
-                                                      self.scale_and_zero)
-        y = y.view(*x.shape[:-1], self.out_features)
+        if self.native is not None:
+            y = self.native(x)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, Q4_GROUP,
+                                                          self.scale_and_zero)
+            y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -161,9 +179,12 @@ def check_weight_format(weight_format: str, dtype: torch.dtype, device: torch.de
     if torch.device(device).type != "cpu":
         raise ValueError(f"weight_format={weight_format!r} runs on the CPU only (torch's weight-only "
                          f"kernels differ per device); on {torch.device(device).type} use weight_format='dequantized'")
-    if dtype != torch.bfloat16:
-        raise ValueError(f"weight_format={weight_format!r} needs dtype=torch.bfloat16: torch's CPU int8/int4 "
-                         f"kernels are vectorized for bf16 activations only, got {dtype}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"weight_format={weight_format!r} takes float32 or bfloat16 activations, got {dtype}")
+    if dtype != torch.bfloat16 and not int8_dot.available():
+        raise ValueError(f"weight_format={weight_format!r} needs dtype=torch.bfloat16 here: without the C int8 dot "
+                         f"kernel ({int8_dot.kernel_name()}) torch's CPU int8/int4 kernels run, and they are "
+                         f"vectorized for bf16 activations only, got {dtype}")
 
 
 def apply_weight_format(model: nn.Module, weight_format: str, prepack: bool = False,

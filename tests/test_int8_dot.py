@@ -1,0 +1,146 @@
+"""The C int8 dot kernel (labkit.model.int8_dot) against its arithmetic written out in torch, its dense
+path for large batches, its fallback when it cannot be built, and its refusal of bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import native
+from labkit.model import int8_dot
+from labkit.model.weight_formats import Int8Linear, Q4Linear, dequantize_q4_1, linear_kernel, quantize_q4_1
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not int8_dot.available():
+        pytest.skip(f"no C kernel here: {int8_dot.kernel_name()}")
+
+
+def quantized_activations(x: torch.Tensor):
+    """Per row and group of 32 (zero-padded): codes round(x / s) with s = max|x| / 127 in float32, as
+    the kernel computes them, and the group's sum of x."""
+    rows, n = x.shape
+    groups = F.pad(x.float(), (0, -n % 32)).view(rows, -1, 32)
+    s = groups.abs().amax(-1) / 127
+    inverse = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    return torch.round(groups * inverse[..., None]).double(), s.double(), groups.double().sum(-1)
+
+
+def q4_1_oracle(x, codes, d, m):
+    """sum over groups of d s (codes . a) + m sum(x), in float64."""
+    a, s, sums = quantized_activations(x)
+    q = F.pad(codes.double(), (0, -codes.shape[1] % 32)).view(codes.shape[0], -1, 32)
+    dots = torch.einsum("rgj,ogj->rog", a, q)
+    return (dots * (d.double()[None] * s[:, None]) + m.double()[None] * sums[:, None]).sum(-1)
+
+
+def int8_oracle(x, codes, scale):
+    a, s, _ = quantized_activations(x)
+    q = F.pad(codes.double(), (0, -codes.shape[1] % 32)).view(codes.shape[0], -1, 32)
+    return (torch.einsum("rgj,ogj->rog", a, q) * s[:, None]).sum(-1) * scale.double()
+
+
+def assert_matches(got, expected):
+    """Equal up to float32 sums: errors of a few ulps of the largest output (the int8 kernel's +128
+    shift cancels in float32)."""
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+
+
+def random_q4_1(out_features, in_features, seed=0):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quantize_q4_1(weight)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (192, 576), (576, 1536), (7, 96), (5, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_q4_1_kernel_computes_its_integer_arithmetic(compiled, out_features, in_features, rows):
+    """Row counts up to DENSE_FROM_ROWS take the integer kernel; out_features not a multiple of 4 and
+    in_features not a multiple of 64 take its padding."""
+    codes, d, m = random_q4_1(out_features, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = int8_dot.pack_q4_1(codes, d, m)(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert_matches(got, q4_1_oracle(x, codes, d, m))
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (49152, 64), (7, 100), (3, 5)])
+def test_int8_kernel_computes_its_integer_arithmetic(compiled, out_features, in_features):
+    gen = torch.Generator().manual_seed(out_features)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scale = torch.rand(out_features, generator=gen) / 100
+    x = torch.randn(4, in_features, generator=gen)
+    got = int8_dot.pack_int8(codes, scale)(x)
+    assert_matches(got, int8_oracle(x, codes, scale))
+
+
+def test_activations_quantize_per_group_of_32_within_half_a_step(compiled):
+    """The kernel's only departure from F.linear on its own weights: each activation moves by at most
+    half its group's step, so |y - F.linear| <= sum over groups of step/2 * sum|w|. A group of zeros
+    (scale 0) contributes nothing."""
+    codes, d, m = random_q4_1(192, 576, seed=3)
+    weight = dequantize_q4_1(codes, d, m)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 2, 576)
+    x[1, :64] = 0
+    got = int8_dot.pack_q4_1(codes, d, m)(x).double()
+    exact = F.linear(x.double(), weight.double())
+    half_step = x.view(2, -1, 32).abs().amax(-1).double() / 254
+    bound = torch.einsum("rg,og->ro", half_step, weight.double().abs().view(192, -1, 32).sum(-1))
+    assert ((got - exact).abs() <= bound + 1e-5).all()
+    assert ((got - exact).abs() > 1e-4).any()  # the bound is not vacuous: activations did move
+
+
+def test_bfloat16_activations_give_bfloat16_outputs_rounded_once(compiled):
+    codes, d, m = random_q4_1(64, 128)
+    x = torch.randn(2, 128).bfloat16()
+    got = int8_dot.pack_q4_1(codes, d, m)(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, q4_1_oracle(x.float(), codes, d, m).bfloat16(), rtol=2 ** -8, atol=1e-5)
+
+
+def test_batches_above_the_threshold_run_a_float_gemm_of_the_exact_weights(compiled):
+    codes, d, m = random_q4_1(192, 576)
+    packed = int8_dot.pack_q4_1(codes, d, m)
+    assert torch.equal(packed.dequantized(torch.float32), dequantize_q4_1(codes, d, m))
+    assert torch.equal(packed.dequantized(torch.bfloat16), dequantize_q4_1(codes, d, m).bfloat16())
+    x = torch.randn(int8_dot.DENSE_FROM_ROWS + 1, 576)
+    torch.testing.assert_close(packed(x), F.linear(x, dequantize_q4_1(codes, d, m)))
+    int8 = int8_dot.pack_int8(torch.tensor([[1, -2, 127]], dtype=torch.int8), torch.tensor([0.5]))
+    assert torch.equal(int8.dequantized(torch.float32), torch.tensor([[0.5, -1.0, 63.5]]))
+
+
+def test_shapes_strides_and_empty_batches(compiled):
+    codes, d, m = random_q4_1(96, 128)
+    packed = int8_dot.pack_q4_1(codes, d, m)
+    x = torch.randn(2, 3, 256)[..., ::2]  # 3-D and strided
+    torch.testing.assert_close(packed(x), packed(x.contiguous()))
+    assert packed(x).shape == (2, 3, 96)
+    assert packed(torch.empty(0, 128)).shape == (0, 96)
+
+
+def test_bad_activations_are_refused_by_name(compiled):
+    packed = int8_dot.pack_q4_1(*random_q4_1(8, 64))
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU activations, got torch.float16"):
+        packed(torch.randn(1, 64).half())
+    with pytest.raises(ValueError, match="activations have 32 features, the layer takes 64"):
+        packed(torch.randn(1, 32))
+
+
+def test_without_a_compiler_the_formats_keep_torchs_kernels_and_say_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "find_c_compiler", lambda: None)
+    int8_dot._load.cache_clear()
+    try:
+        assert not int8_dot.available() and int8_dot.kernel_name() == "no C compiler"
+        kernel = linear_kernel("q4_1", torch.bfloat16)
+        assert "torch int4" in kernel and "no C compiler" in kernel
+        codes, d, m = random_q4_1(64, 128)
+        layer = Q4Linear(codes, d, m)
+        assert layer.native is None
+        x = torch.randn(2, 128).bfloat16()
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dequantize_q4_1(codes, d, m)),
+                                   atol=0.02, rtol=0.02)
+        linear = torch.nn.Linear(128, 64, bias=False)
+        assert Int8Linear(linear).native is None
+    finally:
+        int8_dot._load.cache_clear()
+    assert list(tmp_path.iterdir()) == []
