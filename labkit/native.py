@@ -67,16 +67,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "labkit"
 
 
-def build(source: Path) -> tuple[ctypes.CDLL, str]:
+def build(source: Path, includes: tuple[Path, ...] = ()) -> tuple[ctypes.CDLL, str]:
     """Compile `source` for this CPU (or reuse the cached build) and load it: (library, target name).
-    Raises BuildError with the reason when there is no compiler or the build fails."""
+    `includes`: the C files `source` #includes, so that editing them rebuilds it too. Raises
+    BuildError with the reason when there is no compiler or the build fails."""
     compiler = find_c_compiler()
     if compiler is None:
         raise BuildError("no C compiler")
     target, flags = cpu_target()
     command = [compiler, "-O3", "-shared", "-fPIC", *flags]
     try:
-        key = hashlib.sha256("\0".join([source.read_text(), *command, platform.machine()]).encode()).hexdigest()
+        texts = [path.read_text() for path in (source, *includes)]
+        key = hashlib.sha256("\0".join([*texts, *command, platform.machine()]).encode()).hexdigest()
         library = cache_dir() / f"{source.stem}-{key[:16]}.so"
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,11 @@ class PagedAttentionBackend:
         use_kernel = self.backend == "torch" and cpu_decode.supports(storage)
         self._decode_group = cpu_decode.DecodePlan if use_kernel else None
 
+    @property
+    def reads_pool_in_c(self) -> bool:
+        """Whether decode rows are served by the C kernel reading the block pool (not a torch gather)."""
+        return self._decode_group is not None
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         if q.shape[0] != k.shape[0] or k.shape != v.shape:

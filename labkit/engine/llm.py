@@ -44,6 +44,7 @@ from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from labkit.engine.sequence import FinishReason, Sequence
 from labkit.engine.speculative import SpeculativeConfig, SpeculativeDecoder, check_supported
 from labkit.model import DecoderModel, load_model
+from labkit.model.fused_decode import FusedDecoder
 from labkit.sampling import BeamSearchParams, SamplingParams, check_stop
 from labkit.sampling.logprobs import compute_logprobs
 from labkit.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -103,6 +104,8 @@ class LLM:
             graphs = _capture_decode_graphs(self.model, backend,
                                             capture_sizes(max_num_seqs, max_num_batched_tokens, num_kvcache_blocks),
                                             -(-max_model_len // block_size), max_model_len)
+        elif backend.reads_pool_in_c and FusedDecoder.unsupported(self.model, self.storage) is None:
+            graphs = FusedDecoder(self.model, self.storage)  # small decode steps of a quantized model, in C
         self.runner = components.model_runner(self.model, self.storage, backend, graphs)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")

@@ -1,0 +1,131 @@
+/* A decode step of a whole Llama-family decoder in one C call, for the quantized weight formats.
+ *
+ * Why: at batch 1 a decode step multiplies ~100 MB of 4-bit weights, a few milliseconds at memory
+ * speed, but the eager model issues ~45 small torch operations per layer (norms, rotary, views,
+ * casts), each a few microseconds of Python and dispatch: 30 layers of that cost more than the
+ * weights. This file runs the same layer (labkit/model/layers.py) for a few sequences that each add
+ * one token: RMSNorm, the q/k/v projections, rotary (half-split pairs), the K/V rows stored into the
+ * paged pool, paged decode attention (paged_decode.c), the output projection and residual, RMSNorm,
+ * the SwiGLU MLP and residual. The residual stream stays float32 throughout (as llama.cpp's does);
+ * the linears are int8_dot.c's. The Python side (fused_decode.py) checks the model and every shape
+ * and lays the weights out; this file trusts its arguments.
+ */
+#include "int8_dot.c"
+#include "../attention/paged_decode.c"
+
+enum { Q4_1 = 0, INT8 = 1 };
+
+/* One packed linear layer: `kind`, its three weight arrays (int8_dot.c's layouts), N, K and n. */
+typedef struct {
+    int64_t kind;
+    const void *a, *b, *c;
+    int64_t N, K, n;
+} Linear;
+
+typedef struct {
+    Linear q, k, v, o, gate, up, down;
+    const float *input_norm, *post_norm;  /* RMSNorm weights, float32 */
+    void *k_cache, *v_cache;              /* [num_blocks, block_size, num_kv_heads, head_dim] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_blocks;
+    float eps;
+    int32_t kv_bf16;
+} Shape;
+
+static int linear(const Linear *L, const float *x, int64_t M, float *y) {
+    if (L->kind == Q4_1)
+        return q4_1_linear(L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
+    return int8_linear(L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w, row by row. */
+static void rms_norm(const float *x, const float *w, int64_t M, int64_t H, float eps, float *out) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *row = x + r * H;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < H; i++) squares += row[i] * row[i];
+        float inv = 1.0f / sqrtf(squares / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) out[r * H + i] = row[i] * inv * w[i];
+    }
+}
+
+/* Rotate the pairs (x[i], x[i + D/2]) of each of `heads` heads of one row by the row's angles. */
+static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const float *sin) {
+    int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *x1 = x + h * D, *x2 = x1 + half;
+        for (int64_t i = 0; i < half; i++) {
+            float a = x1[i], b = x2[i];
+            x1[i] = a * cos[i] - b * sin[i];
+            x2[i] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+static void copy_out(const float *src, int64_t n, void *dst, int bf16) {
+    for (int64_t i = 0; i < n; i++) store(dst, bf16, i, src[i]);
+}
+
+static void copy_in(const void *src, int64_t n, float *dst, int bf16) {
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+}
+
+/* x [M, hidden] float32: the residual stream of M sequences' new tokens, updated in place through
+ * every layer. cos, sin [M, head_dim/2]; slots [M]: where each new K/V row goes; block_tables
+ * [M, max_blocks] and context_lens [M] (including the new token) as paged_decode.c takes them.
+ * Returns 0, or -1 when a buffer could not be allocated. */
+int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, int64_t M, float *x,
+                      const float *cos, const float *sin, const int64_t *slots, const int32_t *block_tables,
+                      const int32_t *context_lens) {
+    int64_t H = s->hidden, D = s->head_dim, QD = s->num_heads * D, KD = s->num_kv_heads * D, I = s->intermediate;
+    int64_t floats = M * (2 * H + 2 * QD + 2 * KD + 2 * I);
+    float *h = malloc(sizeof(float) * (size_t)floats);
+    uint16_t *half = s->kv_bf16 ? malloc(sizeof(uint16_t) * (size_t)(2 * M * QD)) : NULL;
+    if (!h || (s->kv_bf16 && !half)) {
+        free(h), free(half);
+        return -1;
+    }
+    float *q = h + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *gate = att + M * QD, *up = gate + M * I;
+    float *o = up + M * I;  /* M * H: the attention's or the MLP's output, added to the residual */
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && !status; l++) {
+        const Layer *L = layers + l;
+        rms_norm(x, L->input_norm, M, H, s->eps, h);
+        status |= linear(&L->q, h, M, q) | linear(&L->k, h, M, k) | linear(&L->v, h, M, v);
+        for (int64_t r = 0; r < M; r++) {
+            rotate(q + r * QD, s->num_heads, D, cos + r * D / 2, sin + r * D / 2);
+            rotate(k + r * KD, s->num_kv_heads, D, cos + r * D / 2, sin + r * D / 2);
+            int64_t offset = slots[r] * KD;
+            if (s->kv_bf16) {
+                copy_out(k + r * KD, KD, (uint16_t *)L->k_cache + offset, 1);
+                copy_out(v + r * KD, KD, (uint16_t *)L->v_cache + offset, 1);
+            } else {
+                memcpy((float *)L->k_cache + offset, k + r * KD, sizeof(float) * (size_t)KD);
+                memcpy((float *)L->v_cache + offset, v + r * KD, sizeof(float) * (size_t)KD);
+            }
+        }
+        float scale = 1.0f / sqrtf((float)D);
+        if (s->kv_bf16) {
+            copy_out(q, M * QD, half, 1);
+            paged_decode_attention_bf16(half, L->k_cache, L->v_cache, block_tables, context_lens, half + M * QD,
+                                        (int)M, (int)s->num_heads, (int)s->num_kv_heads, (int)D,
+                                        (int)s->block_size, (int)s->max_blocks, scale);
+            copy_in(half + M * QD, M * QD, att, 1);
+        } else {
+            paged_decode_attention_f32(q, L->k_cache, L->v_cache, block_tables, context_lens, att, (int)M,
+                                       (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
+                                       (int)s->max_blocks, scale);
+        }
+        status |= linear(&L->o, att, M, o);
+        for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
+        rms_norm(x, L->post_norm, M, H, s->eps, h);
+        status |= linear(&L->gate, h, M, gate) | linear(&L->up, h, M, up);
+        for (int64_t i = 0; i < M * I; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        status |= linear(&L->down, gate, M, o);
+        for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
+    }
+    free(h), free(half);
+    return status ? -1 : 0;
+}
