@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from labkit.attention.cpu_decode import decode_attention_kernel  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
 from labkit.model import load_config  # noqa: E402
+from labkit.model.fused_decode import FusedDecoder  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
 from labkit.model.weight_formats import PrepackedLinear, cpu_features, linear_kernel, prepacks_bf16  # noqa: E402
 from labkit.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
@@ -210,7 +211,8 @@ def main():
         speed, read = speeds[(fmt, dtype)], decode_bytes(engine)
         print(f"batch-1 decode labkit {fmt} {str(dtype).removeprefix('torch.')}: {speed:6.1f} tok/s "
               f"({speed / speeds['transformers']:.2f}x transformers fp32; {read / 1e6:.0f} MB read a token, "
-              f"{speed * read / machine['bandwidth']:.0%} of the bandwidth bound; {linear_kernel(fmt, dtype)})")
+              f"{speed * read / machine['bandwidth']:.0%} of the bandwidth bound; {linear_kernel(fmt, dtype)}; "
+              f"{'fused C decode step' if isinstance(engine.runner.decode_graphs, FusedDecoder) else 'eager decode'})")
     print(f"batch-1 decode transformers fp32: {speeds['transformers']:6.1f} tok/s")
 
     cached = LLM(llm.model, tokenizer=llm.tokenizer, enable_prefix_caching=True)
@@ -224,13 +226,16 @@ def main():
 
 
 def decode_bytes(llm: LLM) -> int:
-    """Bytes a batch-1 decode step reads at least: every weight once. The embedding table counts only
-    when the LM head multiplies by it (tied); a lookup alone reads one row of it."""
+    """Bytes a batch-1 decode step reads at least: every weight once, in the layout its kernel reads
+    (the C int8 dot kernel's packed codes and scales live outside the module's buffers). The embedding
+    table counts only when the LM head multiplies by it (tied); a lookup alone reads one row of it."""
     model = llm.model
     embedding = model.embed_tokens.weight
     tied = getattr(model.lm_head, "weight", None) is embedding
     tensors = [*model.parameters(), *model.buffers()]  # parameters() lists a tied weight once
+    tensors += [t for module in model.modules() if getattr(module, "native", None) for t in module.native.tensors]
     return sum(t.numel() * t.element_size() for t in tensors if tied or t is not embedding)
+
 
 if __name__ == "__main__":
     main()

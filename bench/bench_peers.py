@@ -234,7 +234,8 @@ class LlamaCpp:
 
 
 def format_dtype(weight_format: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype labkit runs a weight format in: the quantized ones have bf16 activations only."""
+    """The dtype labkit runs a weight format in: bf16 for the quantized ones (their prefill chunks run
+    float GEMMs of the dequantized weights, fastest in bf16; the fused decode step sums in fp32)."""
     return dtype if weight_format == "dequantized" else torch.bfloat16
 
 
@@ -251,7 +252,7 @@ def main():
     parser.add_argument("--formats", nargs="+", choices=WEIGHT_FORMATS, default=list(WEIGHT_FORMATS),
                         help="labkit weight formats to run")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="labkit's dtype for the dequantized format (int8 and q4_1 run bf16 activations; "
+                        help="labkit's dtype for the dequantized format (int8 and q4_1 run bf16; "
                              "llama.cpp runs the file's own types)")
     parser.add_argument("--threads", type=int, default=1,
                         help="threads for both (1: CPU-time figures, stable on a shared machine)")

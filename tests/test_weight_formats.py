@@ -71,7 +71,8 @@ def test_each_kernel_multiplies_like_f_linear_on_its_own_weights(gguf, rows):
     q4 = Q4Linear(*blocks[name])
     # int8 activations (the C kernel, up to DENSE_FROM_ROWS rows) move outputs of size ~5 by up to ~0.2
     # here; tests/test_int8_dot.py checks that arithmetic exactly and bounds its distance from F.linear
-    atol = 0.3 if q4.native is not None and rows <= int8_dot.DENSE_FROM_ROWS else 0.05
+    # above it, a bf16 GEMM of the weight rounded to bf16: outputs of ~5 move by up to ~0.06
+    atol = 0.3 if q4.native is not None and rows <= int8_dot.DENSE_FROM_ROWS else 0.08
     torch.testing.assert_close(q4(x).float(), F.linear(x.float(), dequantize_q4_1(*blocks[name])), atol=atol, rtol=0.02)
     linear = torch.nn.Linear(dense.shape[1], dense.shape[0], bias=True)
     linear.weight.data, linear.bias.data = dense.clone(), torch.randn(dense.shape[0])

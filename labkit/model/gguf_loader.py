@@ -6,6 +6,7 @@ that its rotary rotates interleaved pairs (x0, x1), (x2, x3)...; labkit rotates 
 half-split pairs (x_i, x_{i+d/2}), so the loader undoes that permutation.
 """
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -126,10 +127,20 @@ def _labkit_name(gguf_name: str, path: Path) -> str:
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """A reader over a GGUF file; a file it cannot parse raises ModelFileError naming the file."""
+    """A reader over a GGUF file; a file it cannot parse raises ModelFileError naming the file.
+
+    Readers are shared: parsing the metadata (the tokenizer's 49,152 tokens and merges, field by
+    field in Python) takes seconds, and loading one engine reads the file's config, weights, Q4_1
+    blocks and vocabulary. A file rewritten since (new size or modification time) is parsed again."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
+    stat = path.stat()
+    return _parsed_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except OSError:
