@@ -222,3 +222,17 @@ def test_nan_weights_in_a_folder_name_the_tensor(tmp_path):
     folder = hf_folder(tmp_path, poison="model.layers.0.mlp.up_proj.weight")
     with pytest.raises(ModelFileError, match=r"tensor layers\.0\.mlp\.up_proj\.weight holds NaN"):
         load_model(folder, device="cpu")
+
+
+def test_a_gguf_rewritten_in_place_is_read_again(tmp_path):
+    """Parsed readers are shared between loads, keyed by the file's size and modification time: a
+    file replaced since is parsed again, not served from the earlier parse."""
+    from labkit.model.gguf_loader import open_gguf
+
+    path = tiny_gguf(tmp_path / "tiny.gguf")
+    assert open_gguf(path) is open_gguf(path)
+    first = load_model(path, device="cpu").embed_tokens.weight.clone()
+    shutil.copyfile(SMOLLM2, path)
+    assert load_config(path).num_layers == 30 and load_config(path).vocab_size == 49152
+    tiny_gguf(path)
+    torch.testing.assert_close(load_model(path, device="cpu").embed_tokens.weight, first)
