@@ -17,25 +17,27 @@ def compiled():
 
 
 def quantized_activations(x: torch.Tensor):
-    """Per row and group of 32 (zero-padded): codes round(x / s) with s = max|x| / 127 in float32, as
-    the kernel computes them, and the group's sum of x."""
+    """llama.cpp's Q8_1 blocks of each row, as the kernel computes them: per group of 32 (zero-padded),
+    codes round(x / s) with s = max|x| / 127 in float32, then s and s * sum(codes) rounded to float16.
+    Returns (codes, s, rounded s, rounded s * sum(codes)) in float64."""
     rows, n = x.shape
     groups = F.pad(x.float(), (0, -n % 32)).view(rows, -1, 32)
     s = groups.abs().amax(-1) / 127
     inverse = torch.where(s > 0, 1 / s, torch.zeros_like(s))
-    return torch.round(groups * inverse[..., None]).double(), s.double(), groups.double().sum(-1)
+    codes = torch.round(groups * inverse[..., None])
+    return (codes.double(), s.double(), s.half().double(), (codes.sum(-1) * s).half().double())
 
 
 def q4_1_oracle(x, codes, d, m):
-    """sum over groups of d s (codes . a) + m sum(x), in float64."""
-    a, s, sums = quantized_activations(x)
+    """sum over groups of d s (codes . a) + m S, in float64."""
+    a, _, s, sums = quantized_activations(x)
     q = F.pad(codes.double(), (0, -codes.shape[1] % 32)).view(codes.shape[0], -1, 32)
     dots = torch.einsum("rgj,ogj->rog", a, q)
     return (dots * (d.double()[None] * s[:, None]) + m.double()[None] * sums[:, None]).sum(-1)
 
 
 def int8_oracle(x, codes, scale):
-    a, s, _ = quantized_activations(x)
+    a, _, s, _ = quantized_activations(x)
     q = F.pad(codes.double(), (0, -codes.shape[1] % 32)).view(codes.shape[0], -1, 32)
     return (torch.einsum("rgj,ogj->rog", a, q) * s[:, None]).sum(-1) * scale.double()
 
@@ -73,18 +75,21 @@ def test_int8_kernel_computes_its_integer_arithmetic(compiled, out_features, in_
     assert_matches(got, int8_oracle(x, codes, scale))
 
 
-def test_activations_quantize_per_group_of_32_within_half_a_step(compiled):
-    """The kernel's only departure from F.linear on its own weights: each activation moves by at most
-    half its group's step, so |y - F.linear| <= sum over groups of step/2 * sum|w|. A group of zeros
-    (scale 0) contributes nothing."""
+def test_activations_move_by_at_most_half_a_step_plus_the_float16_rounding(compiled):
+    """The kernel's only departure from F.linear on its own weights: each activation x moves to s_h a,
+    at most s/2 + 127 |s - s_h| away (s_h: s rounded to float16), and the offsets' sum S by its own
+    float16 rounding, so |y - F.linear| <= sum over groups of (|d| sum(codes) + 32 |m|) (s/2 + 127
+    |s - s_h|) + |m| |S_h - S|. A group of zeros (scale 0) contributes nothing."""
     codes, d, m = random_q4_1(192, 576, seed=3)
-    weight = dequantize_q4_1(codes, d, m)
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 2, 576)
     x[1, :64] = 0
     got = int8_dot.pack_q4_1(codes, d, m)(x).double()
-    exact = F.linear(x.double(), weight.double())
-    half_step = x.view(2, -1, 32).abs().amax(-1).double() / 254
-    bound = torch.einsum("rg,og->ro", half_step, weight.double().abs().view(192, -1, 32).sum(-1))
+    exact = F.linear(x.double(), dequantize_q4_1(codes, d, m).double())
+    a, s, s_h, sums_h = quantized_activations(x)
+    step = s / 2 + 127 * (s - s_h).abs()  # [rows, groups]
+    weight_mass = d.double().abs() * codes.double().view(192, -1, 32).sum(-1) + 32 * m.double().abs()
+    bound = (torch.einsum("rg,og->ro", step, weight_mass)
+             + torch.einsum("rg,og->ro", (sums_h - a.sum(-1) * s).abs(), m.double().abs()))
     assert ((got - exact).abs() <= bound + 1e-5).all()
     assert ((got - exact).abs() > 1e-4).any()  # the bound is not vacuous: activations did move
 
@@ -144,3 +149,11 @@ def test_without_a_compiler_the_formats_keep_torchs_kernels_and_say_why(monkeypa
     finally:
         int8_dot._load.cache_clear()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("magnitude", [1e-7, 1e-4, 1.0, 3e3])
+def test_activation_scales_round_to_float16_like_torch_across_its_range(compiled, magnitude):
+    """Tiny groups give float16 subnormal scales (below 2^-14 * 127), large ones plain normals."""
+    codes, d, m = random_q4_1(8, 256, seed=1)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)) * magnitude
+    assert_matches(int8_dot.pack_q4_1(codes, d, m)(x), q4_1_oracle(x, codes, d, m))

@@ -13,10 +13,11 @@
  *          d, m [N, G] float32: w = d * code + m per group of 32.
  *   int8:  codes [N, K] int8; wsum [N, G] int32: the sum of each group's codes; scale [N] float32.
  *   x      [M, in] float32 or bfloat16 rows, `x_stride` elements apart; y [M, N] the same dtype.
- * Activations: per row and group, a = round(x / s) in -127..127 with s = max|x| / 127, and the
- * group's exact float sum (the Q4_1 offset m multiplies every x of its group alike).
+ * Activations: llama.cpp's Q8_1 blocks. Per row and group of 32, a = round(x / s) in -127..127 with
+ * s = max|x| / 127, and S = s * sum(a) (the Q4_1 offset m multiplies every x of its group alike);
+ * s and S are rounded to float16 as llama.cpp stores them, so both engines round alike.
  *
- * Q4_1:  y = sum_g d_g s_g (codes . a)_g + m_g sum(x)_g
+ * Q4_1:  y = sum_g d_g s_g (codes . a)_g + m_g S_g
  * int8:  y = scale * sum_g s_g (codes . a)_g; vpdpbusd takes u8 x s8, so a is shifted to a + 128
  *        (u8) and 128 * wsum is taken back: (codes . (a + 128)) - 128 wsum = codes . a.
  *
@@ -48,22 +49,39 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-/* One row of x (length n, float32 or bf16) into K int8 codes, G scales and G group sums. */
+/* f rounded to the nearest float16 (ties to even), returned as a float: llama.cpp keeps its
+ * activation scales in float16, and matching it keeps greedy decoding on llama.cpp's tokens. */
+static inline float fp16_round(float f) {
+    float magnitude = fabsf(f);
+    if (magnitude < 0x1p-14f)  /* float16's subnormals: multiples of 2^-24 */
+        return copysignf(nearbyintf(magnitude * 0x1p24f) * 0x1p-24f, f);
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits = (bits + 0x0fffu + ((bits >> 13) & 1)) & ~0x1fffu;  /* keep 10 of float32's 23 mantissa bits */
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* One row of x (length n, float32 or bf16) into llama.cpp's Q8_1 blocks: per group of 32, codes
+ * round(x / s) with s = max|x| / 127, and s and s * sum(codes), both rounded to float16. */
 static void quantize_row(const void *x, int x_bf16, int64_t n, int64_t K, int8_t *q, float *s, float *sum) {
     float buf[GROUP];
     for (int64_t g = 0; g < K / GROUP; g++) {
-        float amax = 0.0f, total = 0.0f;
+        float amax = 0.0f;
         for (int j = 0; j < GROUP; j++) {
             int64_t i = g * GROUP + j;
             float v = i >= n ? 0.0f : x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
             buf[j] = v;
             amax = fmaxf(amax, fabsf(v));
-            total += v;
         }
         float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (int j = 0; j < GROUP; j++) q[g * GROUP + j] = (int8_t)lrintf(buf[j] * inv);
-        s[g] = scale;
-        sum[g] = total;
+        int32_t codes = 0;
+        for (int j = 0; j < GROUP; j++) {
+            q[g * GROUP + j] = (int8_t)lrintf(buf[j] * inv);
+            codes += q[g * GROUP + j];
+        }
+        s[g] = fp16_round(scale);
+        sum[g] = fp16_round((float)codes * scale);
     }
 }
 

@@ -3,8 +3,10 @@
 torch's weight-only CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) widen every
 code to a float before multiplying, which leaves batch-1 decode far from the memory bound the 4-bit
 format was chosen for (measured 5-8 GB/s against the machine's 11-21). This kernel does what
-llama.cpp does instead: it quantizes each row of activations to int8 in groups of 32 and multiplies
-codes by codes (AVX-512 VNNI, AVX2, or plain C), applying the float scales once per group.
+llama.cpp does instead: it quantizes each row of activations to int8 in groups of 32, rounding the
+scales to float16 exactly as llama.cpp's Q8_1 blocks do (measured: without that rounding, greedy
+decoding left llama.cpp's tokens 13-24 tokens into a prompt where it now follows all 48), and
+multiplies codes by codes (AVX-512 VNNI, AVX2, or plain C), applying the float scales once per group.
 
 The layouts it reads are prepared once, when a model is loaded (`pack_q4_1`, `pack_int8`); see the C
 file's header for them and for the arithmetic. Without a C compiler the weight formats keep torch's
