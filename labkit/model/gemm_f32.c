@@ -58,17 +58,32 @@ INLINE fvec loadv(const float *p) {
     return v;
 }
 
+/* The next panel group's bytes, fetched into L2 a few lines per k while this group computes, so
+ * that the weight streams from memory during all of a group's row blocks instead of stalling the
+ * first one (which alone would need more bandwidth than a core gets). */
+typedef struct {
+    const char *next, *end;
+    int lines_per_k;
+} ahead_t;
+
 /* y[0:mr, 0:cols] = the packed rows a ([k, mr]) times np panels from b, plus bias; cols: the valid
  * columns of these panels (fewer than np*NR only in the last panel). acc: the caller's fixed-size
  * array of mr*np*NV vectors, which the compiler keeps in registers once every loop is unrolled. */
 INLINE void tile(const int mr, const int np, fvec *acc, const float *a, const float *b, int64_t panel_stride,
-                 const float *bias, float *y, int64_t ldy, int k, int cols) {
+                 const float *bias, float *y, int64_t ldy, int k, int cols, ahead_t *ahead) {
+    const char *fetch = ahead->next;
+    const int lines = ahead->lines_per_k;
     UNROLL for (int j = 0; j < np * NV; j++) {
         const fvec init = bias ? loadv(bias + j * LANES) : (fvec){0};
         UNROLL for (int i = 0; i < mr; i++)
             acc[i * np * NV + j] = init;
     }
     for (int kk = 0; kk < k; kk++) {
+        if (fetch < ahead->end) {
+            for (int l = 0; l < lines; l++)
+                __builtin_prefetch(fetch + 64 * l, 0, 2);
+            fetch += 64 * lines;
+        }
         fvec bv[GROUP * NV];
         UNROLL for (int j = 0; j < np * NV; j++)
             bv[j] = loadv(b + (j / NV) * panel_stride + (int64_t)kk * NR + (j % NV) * LANES);
@@ -78,6 +93,7 @@ INLINE void tile(const int mr, const int np, fvec *acc, const float *a, const fl
                 acc[i * np * NV + j] += ai * bv[j];
         }
     }
+    ahead->next = fetch;
     UNROLL for (int i = 0; i < mr; i++)
         UNROLL for (int j = 0; j < np * NV; j++) {
             const int left = cols - j * LANES;
@@ -92,13 +108,13 @@ INLINE void tile(const int mr, const int np, fvec *acc, const float *a, const fl
 /* One tile size as its own function, with its accumulators in an array of constant size. */
 #define TILE(r, p)                                                                                        \
     static void tile_##r##_##p(const float *a, const float *b, int64_t panel_stride, const float *bias,   \
-                               float *y, int64_t ldy, int k, int cols) {                                  \
+                               float *y, int64_t ldy, int k, int cols, ahead_t *ahead) {                  \
         fvec acc[r * p * NV];                                                                             \
-        tile(r, p, acc, a, b, panel_stride, bias, y, ldy, k, cols);                                       \
+        tile(r, p, acc, a, b, panel_stride, bias, y, ldy, k, cols, ahead);                                \
     }
 
 typedef void tile_fn(const float *a, const float *b, int64_t panel_stride, const float *bias, float *y,
-                     int64_t ldy, int k, int cols);
+                     int64_t ldy, int k, int cols, ahead_t *ahead);
 
 /* The tiles of each row count: `wide` takes PANELS(mr) panels at once, `narrow` one (the group's rest). */
 #if MR == 8
@@ -114,16 +130,19 @@ static tile_fn *const wide[MR + 1] = {0, tile_1_2, tile_2_1, tile_3_1, tile_4_1}
 static tile_fn *const narrow[MR + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1};
 #endif
 
+/* How many tiles a block of mr rows takes over `panels` panels. */
+static int tiles(int mr, int panels) { return panels / PANELS(mr) + panels % PANELS(mr); }
+
 /* One block of mr rows (packed at a) against `panels` panels from panel p. */
 static void row_block(int mr, const float *a, const float *packed, const float *bias, float *y, int n, int k,
-                      int p, int panels) {
+                      int p, int panels, ahead_t *ahead) {
     const int64_t panel_stride = (int64_t)k * NR;
     const int np = PANELS(mr);
     for (int q = 0; q < panels;) {
         const int take = q + np <= panels ? np : 1, col = (p + q) * NR;
         (take == np ? wide : narrow)[mr](a, packed + (p + q) * panel_stride, panel_stride,
                                          bias ? bias + col : NULL, y + col, n, k,
-                                         n - col < take * NR ? n - col : take * NR);
+                                         n - col < take * NR ? n - col : take * NR, ahead);
         q += take;
     }
 }
@@ -154,9 +173,17 @@ int gemm_f32(const float *x, int64_t ldx, const float *packed, const float *bias
         }
         for (int p = 0; p < panels; p += GROUP) {
             const int group = panels - p < GROUP ? panels - p : GROUP;
+            const int after = panels - p - group < GROUP ? panels - p - group : GROUP;
+            int count = 0;
+            for (int b = 0; b < rows; b += MR)
+                count += tiles(rows - b < MR ? rows - b : MR, group);
+            const int64_t lines = (int64_t)after * k * NR * sizeof(float) / 64, steps = (int64_t)count * k;
+            ahead_t ahead = {(const char *)(packed + (int64_t)(p + group) * k * NR), NULL,
+                             steps ? (int)((lines + steps - 1) / steps) : 0};
+            ahead.end = ahead.next + 64 * lines;
             for (int b = 0; b < rows; b += MR)
                 row_block(rows - b < MR ? rows - b : MR, a + (int64_t)b * k, packed, bias,
-                              y + (int64_t)(r0 + b) * n, n, k, p, group);
+                          y + (int64_t)(r0 + b) * n, n, k, p, group, &ahead);
         }
     }
     free(a);
