@@ -49,7 +49,10 @@ typedef float fvec __attribute__((vector_size(4 * LANES)));
 #define MR 4              /* 4 x 3 = 12 accumulators of 16 registers */
 #define PANELS(mr) ((mr) == 1 ? 2 : 1)
 #endif
-#define GROUP 4           /* panels per group: the most any tile takes at once */
+#define GROUP 4           /* the most panels a tile takes at once */
+#ifndef GROUP_BYTES
+#define GROUP_BYTES (256 * 1024) /* a panel group's weight: it and the next one's fit in L2 beside x */
+#endif
 #define SLICE_FLOATS (128 * 1024) /* a slice's packed x: 512 KiB, a quarter of a 2 MiB L2 */
 
 INLINE fvec loadv(const float *p) {
@@ -171,9 +174,13 @@ int gemm_f32(const float *x, int64_t ldx, const float *packed, const float *bias
                     dst[(int64_t)kk * mr + i] = src[kk];
             }
         }
-        for (int p = 0; p < panels; p += GROUP) {
-            const int group = panels - p < GROUP ? panels - p : GROUP;
-            const int after = panels - p - group < GROUP ? panels - p - group : GROUP;
+        /* panels per group: GROUP_BYTES of weight, or what one tile takes (a few rows take several) */
+        int per_group = (int)(GROUP_BYTES / ((int64_t)k * NR * sizeof(float) + 1));
+        if (per_group < PANELS(rows < MR ? rows : MR))
+            per_group = PANELS(rows < MR ? rows : MR);
+        for (int p = 0; p < panels; p += per_group) {
+            const int group = panels - p < per_group ? panels - p : per_group;
+            const int after = panels - p - group < per_group ? panels - p - group : per_group;
             int count = 0;
             for (int b = 0; b < rows; b += MR)
                 count += tiles(rows - b < MR ? rows - b : MR, group);
