@@ -66,6 +66,18 @@ def test_odd_shapes_match_f_linear(compiled, rows, in_features, out_features):
         assert_matches_f_linear(linear(in_features, out_features, bias), torch.randn(rows, in_features))
 
 
+@pytest.mark.parametrize("target", [("AVX2", ["-march=x86-64-v3", "-DLANES=8"]), ("generic", ["-DLANES=4"])])
+def test_the_narrower_vector_builds_match_f_linear(compiled, monkeypatch, fresh_build, target):
+    """The 8- and 4-float builds (other panel widths and row blocks) that CPUs without AVX-512 get."""
+    if target[0] == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setattr(native, "cpu_target", lambda: target)
+    assert packed_f32.kernel().name == f"C/{target[0]} packed fp32 GEMM"
+    assert packed_f32.kernel().panel_width == 3 * int(target[1][-1].removeprefix("-DLANES="))
+    for rows, in_features, out_features in ((1, 576, 192), (5, 64, 50), (13, 30, 100), (40, 1536, 60)):
+        assert_matches_f_linear(linear(in_features, out_features, bias=rows > 4), torch.randn(rows, in_features))
+
+
 def test_any_leading_shape_strides_and_no_rows(compiled):
     layer = linear(96, 80)
     packed = PackedF32Linear(layer)

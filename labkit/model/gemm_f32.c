@@ -8,9 +8,9 @@
  *   y       [m, n], contiguous
  *
  * The weight is the big operand (the engine's decode steps multiply a few dozen rows by it), so it is
- * laid out once, at load, for the micro-kernel: torch's GEMM re-lays it out on every call. What is
- * packed per call is x: each block of up to MR rows is transposed into [k, rows] so that one k's row
- * values sit side by side and are broadcast one by one.
+ * laid out once, at load, in the order the micro-kernel reads it: torch's GEMM re-lays it out on
+ * every call. x is read in place, row by row (packing it too measured no faster, and slower when the
+ * output is narrow).
  *
  * The micro-kernel keeps an mr x (np panels of NR columns) tile of y in vector registers over the
  * whole k (no partial sums written back): per k it loads np*NV vectors of the panel and broadcasts mr
@@ -18,16 +18,16 @@
  * 24 accumulators); the few rows of a decode step's last block use more panels at once, so that a
  * single row still has 12 independent chains to hide the FMA latency.
  *
- * Loop order: x is taken in slices of rows whose packed copy stays in L2 (MC rows); in a slice, panel
- * group by panel group, every row block runs over the group while it is in L2, so each weight panel
- * comes from memory once per slice (once per call for up to a few hundred rows).
+ * Loop order: x is taken in slices of rows that stay in L2 (SLICE_FLOATS); in a slice, panel group by
+ * panel group (GROUP_BYTES of weight), every row block runs over the group while it is in L2, and the
+ * next group is prefetched meanwhile, so each weight panel comes from memory once per slice (once per
+ * call for up to a few hundred rows) without stalling the first row block.
  *
  * Single-threaded: the engine runs one thread per process. The caller (labkit/model/packed_f32.py)
  * checks shapes and dtypes; this file trusts its arguments. No fast-math: each output's sum runs over
  * k in order, as a dot product does.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
@@ -53,7 +53,7 @@ typedef float fvec __attribute__((vector_size(4 * LANES)));
 #ifndef GROUP_BYTES
 #define GROUP_BYTES (256 * 1024) /* a panel group's weight: it and the next one's fit in L2 beside x */
 #endif
-#define SLICE_FLOATS (128 * 1024) /* a slice's packed x: 512 KiB, a quarter of a 2 MiB L2 */
+#define SLICE_FLOATS (128 * 1024) /* a slice of x's rows: 512 KiB, a quarter of a 2 MiB L2 */
 
 INLINE fvec loadv(const float *p) {
     fvec v;
@@ -69,11 +69,11 @@ typedef struct {
     int lines_per_k;
 } ahead_t;
 
-/* y[0:mr, 0:cols] = the packed rows a ([k, mr]) times np panels from b, plus bias; cols: the valid
+/* y[0:mr, 0:cols] = the rows a (row stride lda) times np panels from b, plus bias; cols: the valid
  * columns of these panels (fewer than np*NR only in the last panel). acc: the caller's fixed-size
  * array of mr*np*NV vectors, which the compiler keeps in registers once every loop is unrolled. */
-INLINE void tile(const int mr, const int np, fvec *acc, const float *a, const float *b, int64_t panel_stride,
-                 const float *bias, float *y, int64_t ldy, int k, int cols, ahead_t *ahead) {
+INLINE void tile(const int mr, const int np, fvec *acc, const float *a, int64_t lda, const float *b,
+                 int64_t panel_stride, const float *bias, float *y, int64_t ldy, int k, int cols, ahead_t *ahead) {
     const char *fetch = ahead->next;
     const int lines = ahead->lines_per_k;
     UNROLL for (int j = 0; j < np * NV; j++) {
@@ -91,7 +91,7 @@ INLINE void tile(const int mr, const int np, fvec *acc, const float *a, const fl
         UNROLL for (int j = 0; j < np * NV; j++)
             bv[j] = loadv(b + (j / NV) * panel_stride + (int64_t)kk * NR + (j % NV) * LANES);
         UNROLL for (int i = 0; i < mr; i++) {
-            const fvec ai = a[(int64_t)kk * mr + i] - (fvec){0}; /* a broadcast (x - 0 is x, even -0) */
+            const fvec ai = a[i * lda + kk] - (fvec){0}; /* a broadcast (x - 0 is x, even -0) */
             UNROLL for (int j = 0; j < np * NV; j++)
                 acc[i * np * NV + j] += ai * bv[j];
         }
@@ -110,13 +110,13 @@ INLINE void tile(const int mr, const int np, fvec *acc, const float *a, const fl
 
 /* One tile size as its own function, with its accumulators in an array of constant size. */
 #define TILE(r, p)                                                                                        \
-    static void tile_##r##_##p(const float *a, const float *b, int64_t panel_stride, const float *bias,   \
+    static void tile_##r##_##p(const float *a, int64_t lda, const float *b, int64_t panel_stride, const float *bias,   \
                                float *y, int64_t ldy, int k, int cols, ahead_t *ahead) {                  \
         fvec acc[r * p * NV];                                                                             \
-        tile(r, p, acc, a, b, panel_stride, bias, y, ldy, k, cols, ahead);                                \
+        tile(r, p, acc, a, lda, b, panel_stride, bias, y, ldy, k, cols, ahead);                                \
     }
 
-typedef void tile_fn(const float *a, const float *b, int64_t panel_stride, const float *bias, float *y,
+typedef void tile_fn(const float *a, int64_t lda, const float *b, int64_t panel_stride, const float *bias, float *y,
                      int64_t ldy, int k, int cols, ahead_t *ahead);
 
 /* The tiles of each row count: `wide` takes PANELS(mr) panels at once, `narrow` one (the group's rest). */
@@ -136,14 +136,14 @@ static tile_fn *const narrow[MR + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_
 /* How many tiles a block of mr rows takes over `panels` panels. */
 static int tiles(int mr, int panels) { return panels / PANELS(mr) + panels % PANELS(mr); }
 
-/* One block of mr rows (packed at a) against `panels` panels from panel p. */
-static void row_block(int mr, const float *a, const float *packed, const float *bias, float *y, int n, int k,
-                      int p, int panels, ahead_t *ahead) {
+/* One block of mr rows (at a, row stride lda) against `panels` panels from panel p. */
+static void row_block(int mr, const float *a, int64_t lda, const float *packed, const float *bias, float *y,
+                      int n, int k, int p, int panels, ahead_t *ahead) {
     const int64_t panel_stride = (int64_t)k * NR;
     const int np = PANELS(mr);
     for (int q = 0; q < panels;) {
         const int take = q + np <= panels ? np : 1, col = (p + q) * NR;
-        (take == np ? wide : narrow)[mr](a, packed + (p + q) * panel_stride, panel_stride,
+        (take == np ? wide : narrow)[mr](a, lda, packed + (p + q) * panel_stride, panel_stride,
                                          bias ? bias + col : NULL, y + col, n, k,
                                          n - col < take * NR ? n - col : take * NR, ahead);
         q += take;
@@ -152,28 +152,15 @@ static void row_block(int mr, const float *a, const float *packed, const float *
 
 int gemm_f32_panel_width(void) { return NR; }
 
-/* Returns 0, or -1 when the scratch for the packed rows cannot be allocated. */
-int gemm_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int m, int n, int k) {
+void gemm_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int m, int n, int k) {
     const int panels = (n + NR - 1) / NR;
     int slice = k > 0 ? SLICE_FLOATS / k / MR * MR : m;
     if (slice < MR)
         slice = MR;
     if (slice > m)
         slice = m;
-    float *a = malloc(((size_t)slice * k + 1) * sizeof(float));
-    if (!a)
-        return -1;
     for (int r0 = 0; r0 < m; r0 += slice) {
         const int rows = m - r0 < slice ? m - r0 : slice;
-        for (int b = 0; b < rows; b += MR) { /* block b as [k, mr] at a + b*k */
-            const int mr = rows - b < MR ? rows - b : MR;
-            float *dst = a + (int64_t)b * k;
-            for (int i = 0; i < mr; i++) {
-                const float *src = x + (int64_t)(r0 + b + i) * ldx;
-                for (int kk = 0; kk < k; kk++)
-                    dst[(int64_t)kk * mr + i] = src[kk];
-            }
-        }
         /* panels per group: GROUP_BYTES of weight, or what one tile takes (a few rows take several) */
         int per_group = (int)(GROUP_BYTES / ((int64_t)k * NR * sizeof(float) + 1));
         if (per_group < PANELS(rows < MR ? rows : MR))
@@ -189,10 +176,8 @@ int gemm_f32(const float *x, int64_t ldx, const float *packed, const float *bias
                              steps ? (int)((lines + steps - 1) / steps) : 0};
             ahead.end = ahead.next + 64 * lines;
             for (int b = 0; b < rows; b += MR)
-                row_block(rows - b < MR ? rows - b : MR, a + (int64_t)b * k, packed, bias,
+                row_block(rows - b < MR ? rows - b : MR, x + (int64_t)(r0 + b) * ldx, ldx, packed, bias,
                           y + (int64_t)(r0 + b) * n, n, k, p, group, &ahead);
         }
     }
-    free(a);
-    return 0;
 }
