@@ -43,6 +43,7 @@ def test_the_wheel_carries_the_data_and_the_license(installed):
         assert f"labkit/data/{data}" in names
     assert "labkit/attention/paged_decode.c" in names  # the CPU decode kernel is compiled from it at first use
     assert "labkit/model/int8_dot.c" in names  # and the quantized formats' kernel
+    assert "labkit/model/gemm_f32.c" in names  # and the engine's fp32 GEMM
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in metadata
     assert "Requires-Dist: triton>=3.0; platform_system == \"Linux\"" in metadata

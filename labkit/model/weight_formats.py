@@ -5,7 +5,8 @@ Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., wei
 - "dequantized": float weights in the model's dtype. In bf16 on a CPU whose oneDNN has a bf16 path
   (AVX512-BF16 or AMX) the engine reorders each weight once into oneDNN's blocked layout
   ("prepacked"), so a call multiplies at once instead of re-laying the weight out every time; in
-  fp32 torch's default GEMM is as fast here, and the labs see plain `nn.Linear`s.
+  fp32 the engine packs each weight once for a small C GEMM (`packed_f32.py`) where that measures
+  faster than torch's at first use. The labs see plain `nn.Linear`s (load_model's prepack=False).
 - "int8": weight-only int8, one symmetric scale per output row (scale = max|w| / 127). A quarter of
   fp32's bytes.
 - "q4_1": llama.cpp's Q4_1 blocks: 32 consecutive weights of a row share a scale d and an offset m,
@@ -30,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit.model import int8_dot
+from labkit.model import int8_dot, packed_f32
+from labkit.model.packed_f32 import PackedF32Linear
 
 WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
 Q4_GROUP = 32  # weights per Q4_1 block
@@ -75,6 +77,8 @@ def linear_kernel(weight_format: str, dtype: torch.dtype, device: torch.device |
         return f"torch int4 weight-only, Q4_1 groups of 32, bf16 activations ({features}; {int8_dot.kernel_name()})"
     if dtype == torch.bfloat16 and prepacks_bf16():
         return f"oneDNN prepacked bf16 ({features})"
+    if dtype == torch.float32:
+        return f"{packed_f32.gemm_kernel()} ({features})"
     return f"torch default GEMM {_dtype_name(dtype)} ({features})"
 
 
@@ -191,13 +195,15 @@ def apply_weight_format(model: nn.Module, weight_format: str, prepack: bool = Fa
                         q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
     """Replace the model's linear layers (in place) by the format's kernels.
 
-    `prepack`: for "dequantized" bf16 on a CPU with native bf16, use oneDNN's prepacked layout.
+    `prepack`: for "dequantized" on a CPU, bf16 (with native bf16) uses oneDNN's prepacked layout and
+    fp32 the packed C GEMM, each only where it is the faster kernel on this machine.
     `q4_blocks`: a GGUF's own Q4_1 blocks by weight name (codes, d, m); other weights are quantized here.
     """
     dtype, device = model.dtype, model.device
     check_weight_format(weight_format, dtype, device)
-    if weight_format == "dequantized" and not (prepack and device.type == "cpu" and dtype == torch.bfloat16
-                                               and prepacks_bf16()):
+    if weight_format == "dequantized" and not (
+            prepack and device.type == "cpu" and (dtype == torch.bfloat16 and prepacks_bf16()
+                                                  or dtype == torch.float32 and packed_f32.faster_than_torch())):
         return
     q4_blocks = q4_blocks or {}
     for module_name, module in list(model.named_modules()):
@@ -210,7 +216,7 @@ def apply_weight_format(model: nn.Module, weight_format: str, prepack: bool = Fa
 
 def _converted(linear: nn.Linear, name: str, weight_format: str, q4_blocks: dict) -> nn.Module:
     if weight_format == "dequantized":
-        return PrepackedLinear(linear)
+        return PackedF32Linear(linear) if linear.weight.dtype == torch.float32 else PrepackedLinear(linear)
     if weight_format == "int8" or name == "lm_head" or linear.in_features % Q4_GROUP:
         return Int8Linear(linear)
     blocks = q4_blocks.get(f"{name}.weight") or quantize_q4_1(linear.weight)
