@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from labkit.engine import LLM
 from labkit.model import DecoderModel, int8_dot, load_model
 from labkit.model.gguf_loader import load_gguf, load_q4_1_blocks
-from labkit.model.packed_f32 import PackedF32Linear, faster_than_torch
+from labkit.model.packed_f32 import PackedF32Linear, serves_this_cpu
 from labkit.model.weight_formats import (
     Int8Linear,
     PrepackedLinear,
@@ -115,7 +115,7 @@ def test_prepacking_applies_where_it_is_the_faster_kernel(gguf):
     config, weights, _ = gguf
     fp32 = DecoderModel.from_state_dict(config, weights)
     apply_weight_format(fp32, "dequantized", prepack=True)  # fp32: the packed C GEMM where it measured faster
-    assert type(fp32.layers[0].self_attn.q_proj) is (PackedF32Linear if faster_than_torch() else torch.nn.Linear)
+    assert type(fp32.layers[0].self_attn.q_proj) is (PackedF32Linear if serves_this_cpu() else torch.nn.Linear)
     packed = _formatted(gguf, "dequantized", prepack=True)
     expected = PrepackedLinear if prepacks_bf16() else torch.nn.Linear
     assert type(packed.layers[0].self_attn.q_proj) is expected

@@ -5,8 +5,8 @@ Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., wei
 - "dequantized": float weights in the model's dtype. In bf16 on a CPU whose oneDNN has a bf16 path
   (AVX512-BF16 or AMX) the engine reorders each weight once into oneDNN's blocked layout
   ("prepacked"), so a call multiplies at once instead of re-laying the weight out every time; in
-  fp32 the engine packs each weight once for a small C GEMM (`packed_f32.py`) where that measures
-  faster than torch's at first use. The labs see plain `nn.Linear`s (load_model's prepack=False).
+  fp32 the engine packs each weight once for a small C GEMM (`packed_f32.py`) on AVX-512 CPUs, where
+  it measured faster than torch's. The labs see plain `nn.Linear`s (load_model's prepack=False).
 - "int8": weight-only int8, one symmetric scale per output row (scale = max|w| / 127). A quarter of
   fp32's bytes.
 - "q4_1": llama.cpp's Q4_1 blocks: 32 consecutive weights of a row share a scale d and an offset m,
@@ -196,14 +196,14 @@ def apply_weight_format(model: nn.Module, weight_format: str, prepack: bool = Fa
     """Replace the model's linear layers (in place) by the format's kernels.
 
     `prepack`: for "dequantized" on a CPU, bf16 (with native bf16) uses oneDNN's prepacked layout and
-    fp32 the packed C GEMM, each only where it is the faster kernel on this machine.
+    fp32 the packed C GEMM (AVX-512 CPUs), each only where it is the faster kernel.
     `q4_blocks`: a GGUF's own Q4_1 blocks by weight name (codes, d, m); other weights are quantized here.
     """
     dtype, device = model.dtype, model.device
     check_weight_format(weight_format, dtype, device)
     if weight_format == "dequantized" and not (
             prepack and device.type == "cpu" and (dtype == torch.bfloat16 and prepacks_bf16()
-                                                  or dtype == torch.float32 and packed_f32.faster_than_torch())):
+                                                  or dtype == torch.float32 and packed_f32.serves_this_cpu())):
         return
     q4_blocks = q4_blocks or {}
     for module_name, module in list(model.named_modules()):
