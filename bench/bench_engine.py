@@ -28,8 +28,9 @@ import torch  # noqa: E402
 
 from labkit.attention.cpu_decode import decode_attention_kernel  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
-from labkit.model import load_config  # noqa: E402
+from labkit.model import load_config, packed_f32  # noqa: E402
 from labkit.model.fused_decode import FusedDecoder  # noqa: E402
+from labkit.model.packed_f32 import PackedF32Linear  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
 from labkit.model.weight_formats import PrepackedLinear, cpu_features, linear_kernel, prepacks_bf16  # noqa: E402
 from labkit.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
@@ -98,7 +99,8 @@ def prefix_ttft(llm: LLM) -> float:
 
 def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 5) -> float:
     """The best FLOP/s this machine reaches on the model's weight shapes [rows, in] x [in, out], over
-    torch's default GEMM and (on CPUs with native bf16) oneDNN's prepacked one."""
+    torch's default GEMM and the engine's own where it has one: oneDNN's prepacked bf16 (CPUs with
+    native bf16) and the packed C fp32 GEMM (AVX-512)."""
     c = config
     shapes = {(c.hidden_size, c.num_heads * c.head_dim), (c.hidden_size, c.num_kv_heads * c.head_dim),
               (c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size),
@@ -106,7 +108,11 @@ def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 5) -> 
     best = 0.0
     for k, n in sorted(shapes):
         x, linear = torch.randn(rows, k, dtype=dtype), torch.nn.Linear(k, n, bias=False, dtype=dtype)
-        calls = [linear, PrepackedLinear(linear)] if dtype == torch.bfloat16 and prepacks_bf16() else [linear]
+        calls = [linear]
+        if dtype == torch.bfloat16 and prepacks_bf16():
+            calls.append(PrepackedLinear(linear))
+        if dtype == torch.float32 and packed_f32.serves_this_cpu():
+            calls.append(PackedF32Linear(linear))
         for call in calls:
             call(x)
             seconds = min(time_it(lambda call=call, x=x: call(x)) for _ in range(repeats))
