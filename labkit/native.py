@@ -9,6 +9,7 @@ its library (no compiler, a failed build) keeps a torch path and says why in the
 """
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -95,3 +96,17 @@ def build(source: Path, includes: tuple[Path, ...] = ()) -> tuple[ctypes.CDLL, s
     except (OSError, subprocess.SubprocessError) as error:
         detail = (getattr(error, "stderr", None) or "").strip()
         raise BuildError(f"compiling {source.name} failed: {detail.splitlines()[-1] if detail else error}") from error
+
+
+def loader(source: Path, bind, includes: tuple[Path, ...] = ()):
+    """A cached function that builds `source` at its first call and returns `bind(library, target)`,
+    or, when it cannot be built, the reason as a string (for the kernel's name in benchmark output).
+    `.cache_clear()` forgets it, as tests do to build again."""
+    @functools.cache
+    def load():
+        try:
+            library, target = build(source, includes)
+        except BuildError as error:
+            return str(error)
+        return bind(library, target)
+    return load

@@ -157,3 +157,28 @@ def test_activation_scales_round_to_float16_like_torch_across_its_range(compiled
     codes, d, m = random_q4_1(8, 256, seed=1)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)) * magnitude
     assert_matches(int8_dot.pack_q4_1(codes, d, m)(x), q4_1_oracle(x, codes, d, m))
+
+
+@pytest.mark.parametrize("target", [("AVX-512", ["-march=x86-64-v4", "-DLANES=16"]),
+                                    ("AVX2", ["-march=x86-64-v3", "-DLANES=8"]), ("generic", ["-DLANES=4"])])
+def test_the_other_builds_compute_the_same_arithmetic(compiled, monkeypatch, tmp_path, target):
+    """AVX-512 without VNNI and AVX2 take the vpmaddubsw path (int8 by sign transfer, no +128 shift),
+    other CPUs plain C: the same integers, so the same outputs up to float32 sums."""
+    if target[0] != "generic" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    if target[0] == "AVX-512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU cannot run an AVX-512 build")
+    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "cpu_target", lambda: target)
+    int8_dot._load.cache_clear()
+    try:
+        assert int8_dot.kernel_name() == f"C/{'AVX2' if target[0] == 'AVX-512' else target[0]}"
+        codes, d, m = random_q4_1(13, 96)
+        x = torch.randn(3, 96)
+        assert_matches(int8_dot.pack_q4_1(codes, d, m)(x), q4_1_oracle(x, codes, d, m))
+        gen = torch.Generator().manual_seed(1)
+        int8_codes = torch.randint(-127, 128, (6, 200), generator=gen, dtype=torch.int8)
+        scale, x = torch.rand(6, generator=gen), torch.randn(3, 200, generator=gen)
+        assert_matches(int8_dot.pack_int8(int8_codes, scale)(x), int8_oracle(x, int8_codes, scale))
+    finally:
+        int8_dot._load.cache_clear()

@@ -12,7 +12,6 @@ compiling fails, attention keeps the torch path; `decode_attention_kernel()` nam
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -37,13 +36,7 @@ class _Kernel:
             self.functions[dtype] = fn
 
 
-@functools.cache
-def _load() -> _Kernel | str:
-    """The compiled kernel, or why there is none (a short reason, shown by `decode_attention_kernel`)."""
-    try:
-        return _Kernel(*native.build(SOURCE))
-    except native.BuildError as error:
-        return str(error)
+_load = native.loader(SOURCE, _Kernel)  # the kernel, or why there is none (shown by `decode_attention_kernel`)
 
 
 def kernel() -> _Kernel | None:

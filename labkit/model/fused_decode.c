@@ -13,9 +13,7 @@
 #include "int8_dot.c"
 #include "../attention/paged_decode.c"
 
-enum { Q4_1 = 0, INT8 = 1 };
-
-/* One packed linear layer: `kind`, its three weight arrays (int8_dot.c's layouts), N, K and n. */
+/* One packed linear layer: `kind` (Q4_1 or INT8), its three weight arrays (int8_dot.c's layouts), N, K, n. */
 typedef struct {
     int64_t kind;
     const void *a, *b, *c;
@@ -34,10 +32,8 @@ typedef struct {
     int32_t kv_bf16;
 } Shape;
 
-static int linear(const Linear *L, const float *x, int64_t M, float *y) {
-    if (L->kind == Q4_1)
-        return q4_1_linear(L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
-    return int8_linear(L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
+static int project(const Linear *L, const float *x, int64_t M, float *y) {
+    return linear((int)L->kind, L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w, row by row. */
@@ -93,7 +89,7 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const Layer *L = layers + l;
         rms_norm(x, L->input_norm, M, H, s->eps, h);
-        status |= linear(&L->q, h, M, q) | linear(&L->k, h, M, k) | linear(&L->v, h, M, v);
+        status |= project(&L->q, h, M, q) | project(&L->k, h, M, k) | project(&L->v, h, M, v);
         for (int64_t r = 0; r < M; r++) {
             rotate(q + r * QD, s->num_heads, D, cos + r * D / 2, sin + r * D / 2);
             rotate(k + r * KD, s->num_kv_heads, D, cos + r * D / 2, sin + r * D / 2);
@@ -118,12 +114,12 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
                                        (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
                                        (int)s->max_blocks, scale);
         }
-        status |= linear(&L->o, att, M, o);
+        status |= project(&L->o, att, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
         rms_norm(x, L->post_norm, M, H, s->eps, h);
-        status |= linear(&L->gate, h, M, gate) | linear(&L->up, h, M, up);
+        status |= project(&L->gate, h, M, gate) | project(&L->up, h, M, up);
         for (int64_t i = 0; i < M * I; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        status |= linear(&L->down, gate, M, o);
+        status |= project(&L->down, gate, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
     }
     free(h), free(half);

@@ -9,7 +9,6 @@ path stay the eager model's. `FusedDecoder.unsupported(model, storage)` says why
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -42,17 +41,15 @@ class _Shape(ctypes.Structure):
         ("eps", ctypes.c_float), ("kv_bf16", ctypes.c_int32)]
 
 
-@functools.cache
-def _load() -> ctypes.CDLL | str:
-    try:
-        library, _ = native.build(SOURCE, includes=(int8_dot.SOURCE, cpu_decode.SOURCE))
-    except native.BuildError as error:
-        return str(error)
+def _declare(library: ctypes.CDLL, target: str) -> ctypes.CDLL:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.fused_decode_step.argtypes = [pointer, i64, pointer, i64, pointer, pointer, pointer, pointer, pointer,
                                           pointer]
     library.fused_decode_step.restype = ctypes.c_int
     return library
+
+
+_load = native.loader(SOURCE, _declare, includes=(int8_dot.SOURCE, cpu_decode.SOURCE))
 
 
 def _linear_struct(layer) -> _Linear:

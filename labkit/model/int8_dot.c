@@ -265,44 +265,51 @@ static inline void store(void *y, int y_bf16, int64_t i, float v) {
     else ((float *)y)[i] = v;
 }
 
-/* Both entry points: N output rows, stored padded to a multiple of ROWS with zero rows (the packing
- * does it), so every block of ROWS is whole; only the first N outputs are written. Returns 0, or -1
- * when the activation buffer could not be allocated. */
-int q4_1_linear(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K, int64_t n,
-                const void *x, int x_bf16, int64_t M, int64_t x_stride, void *y) {
+enum { Q4_1 = 0, INT8 = 1 };  /* the weight formats, as fused_decode.c names them too */
+
+/* y = x W^T for W in either format: `codes` and `per_group` (Q4_1: d; int8: the code sums) are
+ * [N, ...] padded to a multiple of ROWS with zero rows (the packing does it), so every block of ROWS
+ * is whole; `per_row` is Q4_1's m [N, G] or int8's scale [N]. Only the first N outputs are written.
+ * Returns 0, or -1 when the activation buffer could not be allocated. */
+static int linear(int kind, const void *codes, const void *per_group, const float *per_row, int64_t N, int64_t K,
+                  int64_t n, const void *x, int x_bf16, int64_t M, int64_t x_stride, void *y) {
     Activations act;
     if (quantize(x, x_bf16, M, n, x_stride, K, &act)) return -1;
     int64_t G = K / GROUP;
     float dots[ROWS];
     for (int64_t o = 0; o < N; o += ROWS) {
         for (int64_t r = 0; r < M; r++) {
-            q4_1_dots(codes + o * (K / 2), K / 2, d + o * G, G, act.q + r * K, act.s + r * G, K, dots);
-            for (int64_t i = 0; i < ROWS && o + i < N; i++)
-                store(y, x_bf16, r * N + o + i, dots[i] + group_dot(m + (o + i) * G, act.sum + r * G, 0, G));
+            const int8_t *a = act.q + r * K;
+            const float *s = act.s + r * G;
+            if (kind == Q4_1)
+                q4_1_dots((const uint8_t *)codes + o * (K / 2), K / 2, (const float *)per_group + o * G, G, a, s, K,
+                          dots);
+            else
+                int8_dots((const int8_t *)codes + o * K, K, a, s, K, dots);
+            for (int64_t i = 0; i < ROWS && o + i < N; i++) {
+                float v;
+                if (kind == Q4_1) {
+                    v = dots[i] + group_dot(per_row + (o + i) * G, act.sum + r * G, 0, G);
+                } else {
+                    const int32_t *wsum = (const int32_t *)per_group + (o + i) * G;
+                    v = per_row[o + i] * (dots[i] - (INT8_DOT_IS_SHIFTED ? 128.0f * group_dot(s, wsum, 1, G) : 0.0f));
+                }
+                store(y, x_bf16, r * N + o + i, v);
+            }
         }
     }
     free(act.q), free(act.s), free(act.sum);
     return 0;
 }
 
+int q4_1_linear(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K, int64_t n,
+                const void *x, int x_bf16, int64_t M, int64_t x_stride, void *y) {
+    return linear(Q4_1, codes, d, m, N, K, n, x, x_bf16, M, x_stride, y);
+}
+
 int int8_linear(const int8_t *codes, const int32_t *wsum, const float *scale, int64_t N, int64_t K, int64_t n,
                 const void *x, int x_bf16, int64_t M, int64_t x_stride, void *y) {
-    Activations act;
-    if (quantize(x, x_bf16, M, n, x_stride, K, &act)) return -1;
-    int64_t G = K / GROUP;
-    float dots[ROWS];
-    for (int64_t o = 0; o < N; o += ROWS) {
-        for (int64_t r = 0; r < M; r++) {
-            const float *s = act.s + r * G;
-            int8_dots(codes + o * K, K, act.q + r * K, s, K, dots);
-            for (int64_t i = 0; i < ROWS && o + i < N; i++) {
-                float correction = INT8_DOT_IS_SHIFTED ? 128.0f * group_dot(s, wsum + (o + i) * G, 1, G) : 0.0f;
-                store(y, x_bf16, r * N + o + i, scale[o + i] * (dots[i] - correction));
-            }
-        }
-    }
-    free(act.q), free(act.s), free(act.sum);
-    return 0;
+    return linear(INT8, codes, wsum, scale, N, K, n, x, x_bf16, M, x_stride, y);
 }
 
 /* The float weight [N, n] (float32 or bfloat16) of packed weights, for batches large enough that a

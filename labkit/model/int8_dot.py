@@ -28,12 +28,7 @@ DENSE_FROM_ROWS = 8  # above this many rows (prefill), a call dequantizes its we
 ROWS = 4  # and 4 output rows at a time (ROWS in the C file): out_features is padded to a multiple
 
 
-@functools.cache
-def _load() -> ctypes.CDLL | str:
-    try:
-        library, _ = native.build(SOURCE)
-    except native.BuildError as error:
-        return str(error)
+def _declare(library: ctypes.CDLL, target: str) -> ctypes.CDLL:
     library.int8_dot_kernel_name.restype = ctypes.c_char_p
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     for function in (library.q4_1_linear, library.int8_linear):
@@ -44,6 +39,9 @@ def _load() -> ctypes.CDLL | str:
         function.argtypes = [pointer, pointer, pointer, i64, i64, i64, pointer, ctypes.c_int]
         function.restype = ctypes.c_int
     return library
+
+
+_load = native.loader(SOURCE, _declare)  # the library, or why there is none
 
 
 def available() -> bool:

@@ -11,7 +11,6 @@ compiling fails, the model keeps torch's `nn.Linear`; `gemm_kernel()` says which
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -35,13 +34,7 @@ class _Kernel:
         self.gemm.restype = None
 
 
-@functools.cache
-def _load() -> _Kernel | str:
-    """The compiled kernel, or why there is none (a short reason, shown by `gemm_kernel`)."""
-    try:
-        return _Kernel(*native.build(SOURCE))
-    except native.BuildError as error:
-        return str(error)
+_load = native.loader(SOURCE, _Kernel)  # the kernel, or why there is none (shown by `gemm_kernel`)
 
 
 def kernel() -> _Kernel | None:
