@@ -52,11 +52,16 @@ def _declare(library: ctypes.CDLL, target: str) -> ctypes.CDLL:
 _load = native.loader(SOURCE, _declare, includes=(int8_dot.SOURCE, cpu_decode.SOURCE))
 
 
+def _linears(layer) -> tuple:
+    """A decoder layer's seven linears, in `_Layer`'s order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
 def _linear_struct(layer) -> _Linear:
     packed = layer.native
-    kind = 0 if isinstance(layer, Q4Linear) else 1
-    return _Linear(kind, *(t.data_ptr() for t in packed.tensors), packed.out_features,
-                   packed.tensors[0].shape[1] * (2 if kind == 0 else 1), packed.in_features)
+    return _Linear(0 if isinstance(layer, Q4Linear) else 1, *(t.data_ptr() for t in packed.tensors),
+                   packed.out_features, packed.padded_in_features, packed.in_features)
 
 
 class FusedDecoder:
@@ -72,10 +77,8 @@ class FusedDecoder:
             return _load()
         if c.qk_norm or c.attention_bias or c.head_dim % 16:
             return "the model has q/k norms, attention biases or a head_dim not a multiple of 16"
-        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if not all(isinstance(linear, Q4Linear | Int8Linear) and linear.native is not None
-                   and linear.bias is None for linear in linears):
+                   and linear.bias is None for layer in model.layers for linear in _linears(layer)):
             return "its linear layers are not in a quantized weight format with the C int8 dot kernel"
         if storage.quantized or storage.dtype != model.dtype or not cpu_decode.supports(storage):
             return "the KV pool is quantized, not in the model's dtype, or not one the C decode kernel reads"
@@ -91,10 +94,8 @@ class FusedDecoder:
                         layer.post_attention_layernorm.weight.float().contiguous()) for layer in model.layers]
         layers = []
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = storage.layer(i)
-            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            layers.append(_Layer(*(_linear_struct(linear) for linear in linears), self._norms[i][0].data_ptr(),
+            layers.append(_Layer(*(_linear_struct(linear) for linear in _linears(layer)), self._norms[i][0].data_ptr(),
                                  self._norms[i][1].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()))
         self._layers = (_Layer * len(layers))(*layers)
         self._shape = dict(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
@@ -111,9 +112,8 @@ class FusedDecoder:
         if input_ids.shape[0] > MAX_ROWS or meta.max_seqlen_q != 1 or input_ids.shape != positions.shape:
             raise ValueError(f"a fused step takes up to {MAX_ROWS} sequences adding one token each, got "
                              f"{tuple(input_ids.shape)} tokens with max_seqlen_q={meta.max_seqlen_q}")
-        block_tables = meta.block_tables.to(torch.int32).contiguous()
-        context_lens = meta.context_lens.to(torch.int32).contiguous()
-        cpu_decode.DecodePlan(block_tables, context_lens, self.storage.block_size)  # checks tables and lengths
+        plan = cpu_decode.DecodePlan(meta.block_tables, meta.context_lens, self.storage.block_size)  # checks them
+        block_tables, context_lens = plan.block_tables, plan.context_lens  # int32, contiguous
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         if int(slots.min()) < 0 or int(slots.max()) >= self.storage.num_blocks * self.storage.block_size:
             raise ValueError(f"slot_mapping {slots.tolist()} has slots outside the pool's "

@@ -55,6 +55,10 @@ def kernel_name() -> str:
     return loaded if isinstance(loaded, str) else f"C/{loaded.int8_dot_kernel_name().decode()}"
 
 
+def _padded_inputs(in_features: int) -> int:
+    return -(-in_features // _STEP) * _STEP
+
+
 def _padded(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     """t zero-padded to rows x columns, contiguous (the kernels read whole blocks of rows and inputs)."""
     return torch.nn.functional.pad(t, (0, columns - t.shape[1], 0, rows - t.shape[0])).contiguous()
@@ -69,10 +73,11 @@ class PackedWeights:
     def __init__(self, kind: str, in_features: int, out_features: int, *tensors: torch.Tensor):
         self.in_features, self.out_features = in_features, out_features
         self.tensors = tensors  # kept alive: the kernel reads them through raw pointers
-        K = -(-in_features // _STEP) * _STEP
+        self.padded_in_features = _padded_inputs(in_features)  # K in the C file
         library = _load()
         self._call, self._dequantize = (
-            functools.partial(getattr(library, name), *(t.data_ptr() for t in tensors), out_features, K, in_features)
+            functools.partial(getattr(library, name), *(t.data_ptr() for t in tensors), out_features,
+                              self.padded_in_features, in_features)
             for name in (f"{kind}_linear", f"{kind}_dequantize"))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -104,7 +109,7 @@ class PackedWeights:
 def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeights:
     """Q4_1 blocks (codes [N, in] 0..15, d and m [N, in/32]) in the kernel's layout: nibbles [N, K/2]
     where, in each run of 64 inputs, byte j holds input j (low nibble) and input j + 32 (high)."""
-    (out_features, in_features), K = codes.shape, -(-codes.shape[1] // _STEP) * _STEP
+    (out_features, in_features), K = codes.shape, _padded_inputs(codes.shape[1])
     N = -(-out_features // ROWS) * ROWS
     runs = _padded(codes.to(torch.uint8), N, K).view(N, K // _STEP, 2, GROUP)
     nibbles = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
@@ -114,7 +119,7 @@ def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWe
 
 def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> PackedWeights:
     """int8 codes [N, in] with one scale per row in the kernel's layout, with each group's code sum."""
-    (out_features, in_features), K = codes.shape, -(-codes.shape[1] // _STEP) * _STEP
+    (out_features, in_features), K = codes.shape, _padded_inputs(codes.shape[1])
     N = -(-out_features // ROWS) * ROWS
     codes = _padded(codes.to(torch.int8), N, K)
     wsum = codes.view(N, K // GROUP, GROUP).sum(-1, dtype=torch.int32).contiguous()
