@@ -31,7 +31,8 @@ def find_c_compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def _x86_flags() -> set[str]:
+def x86_flags() -> set[str]:
+    """The CPU feature flags Linux lists in /proc/cpuinfo (empty elsewhere)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():
@@ -52,7 +53,7 @@ def cpu_target() -> tuple[str, list[str]]:
         return "NEON", [flag, "-DLANES=4"]
     capability = torch.backends.cpu.get_cpu_capability()  # torch's own dispatch choice: AVX512, AVX2, ...
     if capability == "AVX512":
-        if "avx512_vnni" in _x86_flags():
+        if "avx512_vnni" in x86_flags():
             return "AVX-512 VNNI", ["-march=x86-64-v4", "-mavx512vnni", "-mprefer-vector-width=512", "-DLANES=16"]
         return "AVX-512", ["-march=x86-64-v4", "-mprefer-vector-width=512", "-DLANES=16"]
     if capability == "AVX2":

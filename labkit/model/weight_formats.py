@@ -26,11 +26,11 @@ all of it every step, is int8 per row in both quantized formats (SmolLM2's GGUF 
 """
 
 import platform
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from labkit import native
 from labkit.model import int8_dot, packed_f32
 from labkit.model.packed_f32 import PackedF32Linear
 
@@ -43,13 +43,7 @@ def cpu_features() -> str:
     AVX512, AVX2, NEON (Apple and other Arm) or none."""
     if platform.machine().lower() in ("arm64", "aarch64"):
         return "NEON"
-    flags = set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = native.x86_flags()
     for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"),
                        ("avx2", "AVX2")):
         if flag in flags:
