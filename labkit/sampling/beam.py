@@ -131,6 +131,7 @@ def beam_search(
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(f"step_logits_fn must return logits [{len(running)}, vocab], got {got}")
         vocab_size = logits.shape[-1]
+        running_sums = running_sums.to(logits.device)  # the scorer's device: a GPU model's logits stay there
         totals = (running_sums.unsqueeze(-1) + torch.log_softmax(logits.float(), dim=-1)).flatten()
         top_sums, top_index = totals.topk(min(candidates_per_step, totals.numel()))
         parents, tokens = (top_index // vocab_size).tolist(), (top_index % vocab_size).tolist()
