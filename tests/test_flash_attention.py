@@ -49,6 +49,16 @@ def test_flash_attention_rejects_bad_inputs():
         flash_attention(q, torch.zeros(8, 3, 16), torch.zeros(8, 3, 16), cu, 4)
     with pytest.raises(ValueError, match="must share a dtype"):
         flash_attention(q, k.half(), v.half(), cu, 4)
+    with pytest.raises(ValueError, match=r"must be on one device, got \['cpu', 'meta'\]"):
+        flash_attention(q, k, v, cu.to("meta"), 4)
+
+
+def test_flash_attention_names_cpu_tensors_without_the_interpreter(monkeypatch):
+    """Compiled Triton reads GPU memory: CPU tensors get an error that says so, not Triton's pointer error."""
+    q, k, v, cu = packed([4], 2, 2, 16, torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="got CPU tensors, but Triton compiles for the GPU here"):
+        flash_attention(q, k, v, cu, 4)
 
 
 def test_hbm_traffic_formulas():

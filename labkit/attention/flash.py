@@ -87,6 +87,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    devices = {t.device for t in (q, k, v, cu_seqlens)}
+    if len(devices) > 1:
+        raise ValueError(f"q, k, v and cu_seqlens must be on one device, got {sorted(map(str, devices))}")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("flash_attention got CPU tensors, but Triton compiles for the GPU here: move q, k, v and "
+                         "cu_seqlens to the GPU, or set TRITON_INTERPRET=1 before triton is first imported")
     if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
         raise ValueError(f"cu_seqlens must run from 0 to the {q.shape[0]} tokens, got {cu_seqlens.tolist()}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
