@@ -221,37 +221,43 @@ def notebooks(section: Section, device) -> None:
                          f"{time.perf_counter() - started:.0f} s")
     for notebook, (passed, total, failures) in sorted(results.items()):
         section.check(passed == total, f"{notebook}: {passed}/{total} cells"
-                      + "".join(f"\n  - {f}" for f in failures[:5]))
+                      + "".join(f"\n  - {f}" for f in failures[:8]))
 
 
 def summarize_junit(path: Path) -> dict[str, tuple[int, int, list[str]]]:
-    """notebook -> (cells passed, cells, first line of each failure) from pytest's JUnit XML."""
+    """notebook -> (cells passed, cells, what each failure says) from pytest's JUnit XML."""
     results: dict[str, tuple[int, int, list[str]]] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        notebook = Path(case.get("file") or case.get("classname", "?").replace(".", "/")).name
+        notebook = case.get("classname", "?").removeprefix("solutions.")  # "solutions.05_x.ipynb"
         problem = case.find("failure") if case.find("failure") is not None else case.find("error")
         passed, total, failures = results.get(notebook, (0, 0, []))
         if problem is None:
             passed += 1
         else:
-            message = (problem.get("message") or problem.text or "").strip().splitlines()
-            failures.append(f"{case.get('name')}: {message[0][:200] if message else 'failed'}")
+            said = failure_summary(problem.text or problem.get("message", ""))
+            failures.append(f"{case.get('name')}: " + "\n    ".join(said))
         results[notebook] = (passed, total + 1, failures)
     return results
 
 
+def failure_summary(text: str, max_lines: int = 8) -> list[str]:
+    """The lines of an nbval failure that say what went wrong: the diff of the outputs, or the exception."""
+    text = re.sub(r"(#x1B|\x1b)\[[0-9;]*m", "", text)
+    lines = [line.rstrip() for line in text.split("Traceback:", 1)[-1].splitlines() if line.strip()]
+    said = [line for line in lines if re.match(r"\s*[-+] |\w*(Error|Exception)\b|Unexpected output", line.strip())]
+    return (said or lines or ["failed"])[:max_lines]
+
+
 def speed(section: Section, device, source: str) -> None:
+    """`make bench`'s workload on the GPU, in bf16 (the engine's default there) and fp32, CUDA graphs on and off."""
     import torch
 
-    from labkit.device import default_dtype
     from labkit.engine import LLM
     from labkit.sampling import SamplingParams
 
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_engine import hf_generate, workload
 
-    dtype = default_dtype(device)
-    model, tokenizer, hf = load_pair(source, device, dtype)
     prompts, outputs = workload(64, 0, (16, 96), (8, 128))
     total = sum(outputs)
 
@@ -263,20 +269,23 @@ def speed(section: Section, device, source: str) -> None:
         return time.perf_counter() - start
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-    section.lines.append(f"workload: 64 requests, prompts 16-96 tokens, outputs 8-128 tokens ({total} tokens), {dtype}")
-    figures = {}
-    for graphs in (True, False):
-        llm = LLM(model, tokenizer=tokenizer, max_num_seqs=64, max_num_batched_tokens=2048, use_cuda_graph=graphs)
-        llm.generate(prompts[:2], params[:2])  # warm-up: compiles the kernels
-        figures[graphs] = total / timed(lambda llm=llm: llm.generate(prompts, params))
-        section.lines.append(f"- labkit {'with' if graphs else 'without'} CUDA graphs: "
-                             f"{figures[graphs]:.0f} output tok/s")
-        del llm
+    section.lines.append(f"workload: 64 requests, prompts 16-96 tokens, outputs 8-128 tokens ({total} tokens)")
+    for dtype in (torch.bfloat16, torch.float32):
+        model, tokenizer, hf = load_pair(source, device, dtype)
+        figures = {}
+        for graphs in (True, False):
+            llm = LLM(model, tokenizer=tokenizer, max_num_seqs=64, max_num_batched_tokens=2048, use_cuda_graph=graphs)
+            llm.generate(prompts[:2], params[:2])  # warm-up: compiles the kernels
+            figures[graphs] = total / timed(lambda llm=llm: llm.generate(prompts, params))
+            del llm
+            free_memory()
+        hf_generate(hf, prompts[:2], 2)
+        hf_rate = total / timed(lambda hf=hf: hf_generate(hf, prompts, max(outputs)))
+        section.lines.append(f"- {dtype}: labkit {figures[True]:.0f} output tok/s with CUDA graphs, "
+                             f"{figures[False]:.0f} without; transformers generate (one padded batch of 64) "
+                             f"{hf_rate:.0f}; throughput ratio labkit/transformers: {figures[True] / hf_rate:.2f}")
+        del model, hf
         free_memory()
-    hf_generate(hf, prompts[:2], 2)
-    hf_time = timed(lambda: hf_generate(hf, prompts, max(outputs)))
-    section.lines.append(f"- transformers generate (one padded batch of 64): {total / hf_time:.0f} output tok/s")
-    section.lines.append(f"- throughput ratio labkit/transformers: {figures[True] * hf_time / total:.2f}")
     section.lines.append(f"- device-to-device copy: {copy_bandwidth(device) / 1e9:.0f} GB/s measured")
     section.lines += ["- Lab 08's decode-bandwidth cell on this GPU:", "", "```",
                       *lab08_bandwidth_output().strip().splitlines(), "```"]

@@ -56,17 +56,28 @@ def test_a_failing_part_fails_its_section_and_the_exit_status_not_the_rest():
 
 
 def test_nbval_results_are_summarized_per_notebook(tmp_path):
+    """pytest's JUnit XML as nbval writes it on a GPU (escapes and all): each failure keeps its diff or error."""
     junit = tmp_path / "nbval.xml"
-    lab05, lab06 = "solutions/05_real_model_kv_cache.ipynb", "solutions/06_sampling.ipynb"
+    diff = ("#x1B[91mNotebook cell execution failed#x1B[0m\n#x1B[94mCell 3: Cell outputs differ\n\nInput:\n"
+            "#x1B[0mprint(model.dtype)\n\n#x1B[94mTraceback:#x1B[0m\n#x1B[94m mismatch 'stdout'#x1B[91m\n\n"
+            " assert reference_output == test_output failed:\n\n  - torch.bfloat16\n  ?       -\n"
+            "  + torch.float32\n#x1B[0m")
+    error = ("Cell 16: Cell execution caused an exception\n\nInput:\nx.equal(y)\n\nTraceback:\n"
+             "RuntimeError     Traceback (most recent call last)\nCell In[1], line 1\n"
+             "RuntimeError: Expected all tensors to be on the same device")
     junit.write_text(textwrap.dedent(f"""\
         <testsuites><testsuite>
-          <testcase classname="solutions.05" name="Cell 0" file="{lab05}"/>
-          <testcase classname="solutions.05" name="Cell 3" file="{lab05}">
-            <failure message="Notebook cell execution failed&#10;details">...</failure></testcase>
-          <testcase classname="solutions.06" name="Cell 0" file="{lab06}"/>
+          <testcase classname="solutions.05_real_model_kv_cache.ipynb" name="Cell 0"/>
+          <testcase classname="solutions.05_real_model_kv_cache.ipynb" name="Cell 3">
+            <failure message="Notebook cell execution failed">{diff}</failure></testcase>
+          <testcase classname="solutions.04_decode_and_kv_cache.ipynb" name="Cell 16">
+            <failure message="Notebook cell execution failed">{error}</failure></testcase>
+          <testcase classname="solutions.06_sampling.ipynb" name="Cell 0"/>
         </testsuite></testsuites>"""))
     assert gpu_check.summarize_junit(junit) == {
-        "05_real_model_kv_cache.ipynb": (1, 2, ["Cell 3: Notebook cell execution failed"]),
+        "05_real_model_kv_cache.ipynb": (1, 2, ["Cell 3:   - torch.bfloat16\n      + torch.float32"]),
+        "04_decode_and_kv_cache.ipynb": (0, 1, ["Cell 16: RuntimeError     Traceback (most recent call last)\n"
+                                                "    RuntimeError: Expected all tensors to be on the same device"]),
         "06_sampling.ipynb": (1, 1, []),
     }
 
