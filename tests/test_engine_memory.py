@@ -49,6 +49,18 @@ def test_an_engine_that_cannot_fit_says_why_with_the_numbers():
         num_blocks_for_memory(SMOLLM2_135M, BLOCK, torch.float32, cpu_kv_cache_bytes=1000)
 
 
+def test_memory_another_process_holds_is_named_with_the_way_out():
+    """Two servers on one GPU: the second finds the first's cache outside its torch (seen on an H100)."""
+    shared = MemoryProfile(total=80 * GIB, peak=GIB // 4, non_torch=72 * GIB)
+    with pytest.raises(ValueError, match=r"72\.00 GiB of this GPU is held outside this process's torch.*another "
+                                         r"process.*fixed num_kvcache_blocks.*else raise gpu_memory_utilization"):
+        num_blocks_for_memory(SMOLLM2_135M, BLOCK, torch.bfloat16, profile=shared)
+    alone = MemoryProfile(total=80 * GIB, peak=80 * GIB, non_torch=GIB // 2)  # only a CUDA context outside torch
+    with pytest.raises(ValueError, match=r"bytes; raise gpu_memory_utilization") as error:
+        num_blocks_for_memory(SMOLLM2_135M, BLOCK, torch.bfloat16, profile=alone)
+    assert "another process" not in str(error.value)
+
+
 def test_a_cache_smaller_than_one_sequence_is_an_error():
     tight = MemoryProfile(total=GIB, peak=int(0.9 * GIB) - 10 * PER_BLOCK, non_torch=0)  # room for 10 blocks
     assert num_blocks_for_memory(SMOLLM2_135M, BLOCK, torch.bfloat16, profile=tight, max_model_len=160) == 10

@@ -22,6 +22,7 @@ from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
+OTHERS_HOLD_GPU_BYTES = 2 * 2**30  # a CUDA context takes well under this; more means another process
 
 
 def _gib(num_bytes: int) -> str:
@@ -71,6 +72,10 @@ def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, *, profil
     num_blocks = max(budget, 0) // per_block
     fix = ("raise gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or use a smaller dtype"
            if profile is not None else "raise cpu_kv_cache_bytes or use kv_cache_dtype='int8'")
+    if profile is not None and profile.non_torch > OTHERS_HOLD_GPU_BYTES:
+        fix = (f"{_gib(profile.non_torch)} of this GPU is held outside this process's torch, more than a CUDA "
+               "context takes: another process (a second engine or server?) holds it. Give each engine on a "
+               "shared GPU a fixed num_kvcache_blocks, or stop the other process; else " + fix)
     if num_blocks < 1:
         raise ValueError(f"the KV cache does not fit: {where} leaves {_gib(budget)} ({budget} bytes), and one "
                          f"block of {block_size} tokens needs {per_block} bytes; {fix}")

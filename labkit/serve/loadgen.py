@@ -180,7 +180,9 @@ def sweep(workload: Workload, rates, batching_modes=("continuous", "static"), se
     """Start a server per batching mode (all at once) and measure each at every rate.
 
     The modes take turns at each rate rather than one after the other, so a machine whose load
-    drifts during the sweep (a shared CPU) tilts both modes' figures alike.
+    drifts during the sweep (a shared CPU) tilts both modes' figures alike. On one GPU, give the
+    servers a fixed "--num-kvcache-blocks" in server_args: each otherwise sizes its cache from the
+    memory it finds free, and the last to start finds the others' caches.
     """
     from labkit.serve.server import ServerProcess
 
