@@ -88,6 +88,18 @@ def test_each_kernel_multiplies_like_f_linear_on_its_own_weights(gguf, rows):
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=0.03, rtol=0.02)
 
 
+@pytest.mark.parametrize("in_features", [100, 576])
+def test_torchs_int8_fallback_takes_any_width(monkeypatch, in_features):
+    """torch's _weight_int8pack_mm segfaults on bf16 widths such as 100 (not multiples of 16): the fallback pads."""
+    monkeypatch.setattr(int8_dot, "available", lambda: False)
+    linear = torch.nn.Linear(in_features, 24, bias=True)
+    int8 = Int8Linear(linear)
+    assert int8.native is None and int8.codes.shape == (24, -(-in_features // 16) * 16)
+    x = torch.randn(2, 3, in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    dequantized = int8.codes[:, :in_features].float() * int8.scale.float()[:, None]
+    torch.testing.assert_close(int8(x).float(), F.linear(x.float(), dequantized, linear.bias), atol=0.03, rtol=0.02)
+
+
 @pytest.mark.parametrize("weight_format", ["q4_1", "int8"])
 def test_a_quantized_model_stays_near_the_dequantized_fp32_model(gguf, fp32_model, weight_format):
     """The GGUF's own 4-bit weights differ from fp32 by bf16 activations only; int8 re-rounds the

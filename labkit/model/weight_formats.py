@@ -36,6 +36,9 @@ from labkit.model.packed_f32 import PackedF32Linear
 
 WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
 Q4_GROUP = 32  # weights per Q4_1 block
+# torch's _weight_int8pack_mm crashes (SIGSEGV, torch 2.13, bf16) on some widths that are not a multiple
+# of 16, so the fallback pads its codes and inputs with zero columns up to one.
+INT8PACK_WIDTH = 16
 
 
 def cpu_features() -> str:
@@ -105,7 +108,7 @@ class Int8Linear(nn.Module):
         codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.native = int8_dot.pack_int8(codes, scale) if int8_dot.available() else None
         if self.native is None:
-            self.register_buffer("codes", codes)
+            self.register_buffer("codes", nn.functional.pad(codes, (0, -self.in_features % INT8PACK_WIDTH)))
             self.register_buffer("scale", scale.to(torch.bfloat16))
         self.bias = linear.bias
 
@@ -113,7 +116,8 @@ class Int8Linear(nn.Module):
         if self.native is not None:
             y = self.native(x)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scale)
+            rows = nn.functional.pad(x.reshape(-1, self.in_features), (0, self.codes.shape[1] - self.in_features))
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
