@@ -7,9 +7,10 @@ size that fits, padding the batch with rows that store nothing (slot -1) and att
 (their output is discarded). Only the sizes the configuration can reach are recorded
 (`capture_sizes`): each graph costs capture time and memory.
 
-UNTESTED: `DecodeGraphs` only runs on CUDA and the course's development machine has no GPU
-(`make gpu-check` runs it); `capture_sizes` is plain arithmetic, tested on the CPU. The engine uses
-graphs only on CUDA; if capturing fails it warns and runs eagerly.
+`DecodeGraphs` only runs on CUDA, so the CPU test suite cannot reach it: `make gpu-check` checks it
+(greedy parity with transformers with graphs on; reports/gpu/ holds the runs). `capture_sizes` is
+plain arithmetic, tested on the CPU. The engine uses graphs only on CUDA; if capturing fails it
+warns and runs eagerly.
 """
 
 import torch

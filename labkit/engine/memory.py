@@ -9,8 +9,8 @@ dummy step of that size, read the peak. On the CPU the cache gets a fixed budget
 memory is shared with everything else on the machine, and nothing tells us our share).
 
 The arithmetic (`MemoryProfile`, `num_blocks_for_memory`) is plain Python, tested on the CPU with
-made-up numbers. `profile_cuda_memory` runs only on CUDA and is UNTESTED on the course's
-development machine, which has no GPU; `make gpu-check` runs it.
+made-up numbers. `profile_cuda_memory` runs only on CUDA, out of the CPU test suite's reach:
+`make gpu-check` runs it (reports/gpu/).
 """
 
 from dataclasses import dataclass
@@ -99,7 +99,7 @@ def _dummy_step(model, num_tokens: int, num_seqs: int) -> None:
 
 def profile_cuda_memory(model, max_num_batched_tokens: int, max_num_seqs: int,
                         graph_batch_size: int = 0) -> MemoryProfile:
-    """vLLM's profile run, before the KV cache exists (CUDA only; UNTESTED here).
+    """vLLM's profile run, before the KV cache exists (CUDA only: `make gpu-check` runs it).
 
     Attention runs densely (each dummy sequence over its own tokens); the Triton kernels the engine
     uses need no workspace beyond their output, so the dense pass is the larger of the two.
