@@ -77,11 +77,52 @@ def test_the_engine_decodes_small_batches_fused_and_larger_ones_eagerly(engine):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
 
 
+@pytest.fixture(scope="module")
+def float32_engine():
+    """The engine's own float32 model: its linears packed for the C GEMM, where that kernel serves this CPU."""
+    llm = LLM("smollm2", device="cpu", dtype=torch.float32, max_num_seqs=16)
+    if not isinstance(llm.runner.decode_graphs, FusedDecoder):
+        pytest.skip(f"no fused decode here: {FusedDecoder.unsupported(llm.model, llm.storage)}")
+    return llm
+
+
+def test_a_float32_models_fused_steps_match_its_eager_steps(float32_engine):
+    """Same packed GEMM, same order of sums in every linear: only the norms', rotary's and SiLU's float32
+    arithmetic differs from torch's, so the logits agree to ~1e-4 (transformers' parity bound is 1e-3)
+    and greedy decoding picks the same tokens, in batches larger than the quantized limit."""
+    llm, fused, distances = float32_engine, float32_engine.runner.decode_graphs, []
+
+    def both(input_ids, positions, meta):
+        with torch.inference_mode():
+            eager = llm.model.compute_logits(llm.model.forward_hidden(input_ids, positions, meta,
+                                                                      llm.runner.backend)).float()
+        logits = FusedDecoder.run(fused, input_ids, positions, meta).float()
+        distances.append((len(input_ids), (logits - eager).abs().max().item()))
+        return logits
+
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS][:MAX_ROWS + 3]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fused.run = both
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        del fused.run
+    assert {rows for rows, _ in distances} == {MAX_ROWS + 3} and len(distances) == 5
+    assert max(d for _, d in distances) < 1e-3, distances
+    llm.runner.decode_graphs = None
+    try:
+        eager_outputs = llm.generate(prompts, params)
+    finally:
+        llm.runner.decode_graphs = fused
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager_outputs]
+    assert fused.fits(1024, 100) and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_models_and_pools_it_cannot_run_are_named(engine):
     """The engine keeps its eager path for them (LLM asks `unsupported` before it builds one)."""
     c = engine.model.config
-    assert FusedDecoder.unsupported(dense_fp32(), engine.storage).endswith("not in a quantized weight format "
-                                                                           "with the C int8 dot kernel")
+    assert FusedDecoder.unsupported(dense_fp32(), engine.storage).endswith(  # torch's nn.Linear, not packed
+        "nor all float32 packed for the C GEMM (PackedF32Linear), without biases")
     int8_pool = PagedKVStorage(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, dtype=engine.model.dtype,
                                kv_cache_dtype="int8")
     assert "KV pool is quantized" in FusedDecoder.unsupported(engine.model, int8_pool)

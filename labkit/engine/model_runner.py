@@ -56,7 +56,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model, storage: PagedKVStorage, backend, decode_graphs=None):
         """`decode_graphs` runs decode-only steps it `fits` in one go: recorded CUDA graphs (cuda_graph.py),
-        or on a CPU a quantized model's fused C step (labkit/model/fused_decode.py)."""
+        or on a CPU the fused C step of a quantized or packed float32 model (labkit/model/fused_decode.py)."""
         self.model = model
         self.storage = storage
         self.block_size = storage.block_size

@@ -7,13 +7,22 @@
  * one token: RMSNorm, the q/k/v projections, rotary (half-split pairs), the K/V rows stored into the
  * paged pool, paged decode attention (paged_decode.c), the output projection and residual, RMSNorm,
  * the SwiGLU MLP and residual. The residual stream stays float32 throughout (as llama.cpp's does);
- * the linears are int8_dot.c's. The Python side (fused_decode.py) checks the model and every shape
- * and lays the weights out; this file trusts its arguments.
+ * the linears are int8_dot.c's for the quantized formats, or gemm_f32.c's packed float32 GEMM for a
+ * dense float32 model, reached through a function pointer (that library is built on its own). The
+ * Python side (fused_decode.py) checks the model and every shape and lays the weights out; this
+ * file trusts its arguments.
  */
 #include "int8_dot.c"
 #include "../attention/paged_decode.c"
 
-/* One packed linear layer: `kind` (Q4_1 or INT8), its three weight arrays (int8_dot.c's layouts), N, K, n. */
+#define F32_PACKED 2 /* a Linear kind beside int8_dot.c's Q4_1 and INT8: gemm_f32.c's panels in `a` */
+
+/* gemm_f32.c's entry point: y [m, n] = x [m, k] (row stride ldx) times the packed weight, plus bias. */
+typedef void gemm_f32_fn(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int m,
+                         int n, int k);
+
+/* One packed linear layer: `kind` (Q4_1, INT8 or F32_PACKED), its weight arrays (int8_dot.c's
+ * layouts, or gemm_f32.c's panels in `a`), N outputs, K inputs as stored, n inputs used. */
 typedef struct {
     int64_t kind;
     const void *a, *b, *c;
@@ -30,9 +39,14 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_blocks;
     float eps;
     int32_t kv_bf16;
+    gemm_f32_fn *gemm_f32; /* for F32_PACKED linears; NULL when there are none */
 } Shape;
 
-static int project(const Linear *L, const float *x, int64_t M, float *y) {
+static int project(const Shape *s, const Linear *L, const float *x, int64_t M, float *y) {
+    if (L->kind == F32_PACKED) {
+        s->gemm_f32(x, L->n, (const float *)L->a, NULL, y, (int)M, (int)L->N, (int)L->n);
+        return 0;
+    }
     return linear((int)L->kind, L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
 }
 
@@ -89,7 +103,7 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const Layer *L = layers + l;
         rms_norm(x, L->input_norm, M, H, s->eps, h);
-        status |= project(&L->q, h, M, q) | project(&L->k, h, M, k) | project(&L->v, h, M, v);
+        status |= project(s, &L->q, h, M, q) | project(s, &L->k, h, M, k) | project(s, &L->v, h, M, v);
         for (int64_t r = 0; r < M; r++) {
             rotate(q + r * QD, s->num_heads, D, cos + r * D / 2, sin + r * D / 2);
             rotate(k + r * KD, s->num_kv_heads, D, cos + r * D / 2, sin + r * D / 2);
@@ -114,12 +128,12 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
                                        (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
                                        (int)s->max_blocks, scale);
         }
-        status |= project(&L->o, att, M, o);
+        status |= project(s, &L->o, att, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
         rms_norm(x, L->post_norm, M, H, s->eps, h);
-        status |= project(&L->gate, h, M, gate) | project(&L->up, h, M, up);
+        status |= project(s, &L->gate, h, M, gate) | project(s, &L->up, h, M, up);
         for (int64_t i = 0; i < M * I; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        status |= project(&L->down, gate, M, o);
+        status |= project(s, &L->down, gate, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
     }
     free(h), free(half);

@@ -1,11 +1,16 @@
-"""Decode steps of a quantized model on the CPU in one C call (`fused_decode.c`), for small batches.
+"""Decode steps on the CPU in one C call (`fused_decode.c`): a quantized model's small batches, and a
+dense float32 model's batches of any size.
 
 At batch 1 the eager model spends more time issuing its ~45 small torch operations per layer than
-multiplying its 4-bit weights. `FusedDecoder` runs a decode-only step of up to `MAX_ROWS` sequences
-through every layer in C instead: the same maths as `layers.py`, with the residual stream in
-float32 and `int8_dot.c`'s linears. It plugs into the engine where CUDA graphs do (`fits`, `run`:
-`ModelRunner.forward` replays a decode step through it), so prefill, larger batches and every other
-path stay the eager model's. `FusedDecoder.unsupported(model, storage)` says why a model cannot use it.
+multiplying its 4-bit weights, and a float32 model's batched decode steps lose a good part of their
+time the same way (the profile of `make bench`'s fp32 workload: ~1,350 torch calls a step). `FusedDecoder`
+runs a decode-only step through every layer in C instead: the same maths as `layers.py`, with the
+residual stream in float32, and the linears the model already multiplies with: `int8_dot.c`'s for
+the quantized formats (up to `MAX_ROWS` sequences; larger batches multiply faster as dense GEMMs),
+or `gemm_f32.c`'s packed GEMM (`PackedF32Linear`), the same kernel and order of sums as the eager
+step. It plugs into the engine where CUDA graphs do (`fits`, `run`: `ModelRunner.forward` replays a
+decode step through it), so prefill and every other path stay the eager model's.
+`FusedDecoder.unsupported(model, storage)` says why a model cannot use it.
 """
 
 import ctypes
@@ -16,13 +21,15 @@ import torch
 from labkit import native
 from labkit.attention import cpu_decode
 from labkit.attention.metadata import AttentionMetadata
-from labkit.model import int8_dot
+from labkit.model import int8_dot, packed_f32
 from labkit.model.layers import rope_cos_sin, rope_inv_freq
+from labkit.model.packed_f32 import PackedF32Linear
 from labkit.model.weight_formats import Int8Linear, Q4Linear
 
 SOURCE = Path(__file__).with_name("fused_decode.c")
-MAX_ROWS = int8_dot.DENSE_FROM_ROWS  # more sequences than this: the eager model's dense GEMMs are faster
+MAX_ROWS = int8_dot.DENSE_FROM_ROWS  # quantized: more sequences than this multiply faster as dense GEMMs
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+_KIND = {Q4Linear: 0, Int8Linear: 1, PackedF32Linear: 2}  # fused_decode.c's Q4_1, INT8, F32_PACKED
 
 
 class _Linear(ctypes.Structure):
@@ -38,7 +45,7 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
                                                      "intermediate", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("kv_bf16", ctypes.c_int32)]
+        ("eps", ctypes.c_float), ("kv_bf16", ctypes.c_int32), ("gemm_f32", ctypes.c_void_p)]
 
 
 def _declare(library: ctypes.CDLL, target: str) -> ctypes.CDLL:
@@ -59,13 +66,30 @@ def _linears(layer) -> tuple:
 
 
 def _linear_struct(layer) -> _Linear:
+    if isinstance(layer, PackedF32Linear):
+        return _Linear(_KIND[PackedF32Linear], layer.packed.data_ptr(), None, None, layer.out_features,
+                       layer.in_features, layer.in_features)
     packed = layer.native
-    return _Linear(0 if isinstance(layer, Q4Linear) else 1, *(t.data_ptr() for t in packed.tensors),
-                   packed.out_features, packed.padded_in_features, packed.in_features)
+    return _Linear(_KIND[type(layer)], *(t.data_ptr() for t in packed.tensors), packed.out_features,
+                   packed.padded_in_features, packed.in_features)
+
+
+def _weights_kind(model) -> str | None:
+    """"quantized" (every linear in int8_dot.c's formats), "float32" (every linear packed for
+    gemm_f32.c), or None: the fused step multiplies with the kernels the layers already hold."""
+    linears = [linear for layer in model.layers for linear in _linears(layer)]
+    if any(linear.bias is not None for linear in linears):
+        return None
+    if all(isinstance(linear, Q4Linear | Int8Linear) and linear.native is not None for linear in linears):
+        return "quantized"
+    if all(isinstance(linear, PackedF32Linear) for linear in linears) and packed_f32.kernel() is not None:
+        return "float32"
+    return None
 
 
 class FusedDecoder:
-    """A model's decode steps of up to MAX_ROWS sequences, each adding one token, in one C call."""
+    """A model's decode steps, each sequence adding one token, in one C call (a quantized model: up to
+    MAX_ROWS sequences)."""
 
     @staticmethod
     def unsupported(model, storage) -> str | None:
@@ -77,9 +101,9 @@ class FusedDecoder:
             return _load()
         if c.qk_norm or c.attention_bias or c.head_dim % 16:
             return "the model has q/k norms, attention biases or a head_dim not a multiple of 16"
-        if not all(isinstance(linear, Q4Linear | Int8Linear) and linear.native is not None
-                   and linear.bias is None for layer in model.layers for linear in _linears(layer)):
-            return "its linear layers are not in a quantized weight format with the C int8 dot kernel"
+        if _weights_kind(model) is None:
+            return ("its linear layers are neither all in a quantized weight format with the C int8 dot kernel "
+                    "nor all float32 packed for the C GEMM (PackedF32Linear), without biases")
         if storage.quantized or storage.dtype != model.dtype or not cpu_decode.supports(storage):
             return "the KV pool is quantized, not in the model's dtype, or not one the C decode kernel reads"
         return None
@@ -98,19 +122,23 @@ class FusedDecoder:
             layers.append(_Layer(*(_linear_struct(linear) for linear in _linears(layer)), self._norms[i][0].data_ptr(),
                                  self._norms[i][1].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()))
         self._layers = (_Layer * len(layers))(*layers)
+        dense = _weights_kind(model) == "float32"
+        self.max_rows = None if dense else MAX_ROWS  # None: any decode batch
+        gemm = ctypes.cast(packed_f32.kernel().gemm, ctypes.c_void_p).value if dense else None
         self._shape = dict(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                            head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=storage.block_size,
-                           eps=c.rms_norm_eps, kv_bf16=int(storage.dtype == torch.bfloat16))
+                           eps=c.rms_norm_eps, kv_bf16=int(storage.dtype == torch.bfloat16), gemm_f32=gemm)
         self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 
     def fits(self, num_seqs: int, width: int) -> bool:
-        return num_seqs <= MAX_ROWS
+        return self.max_rows is None or num_seqs <= self.max_rows
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only step of B <= MAX_ROWS sequences (every row is sampled)."""
-        if input_ids.shape[0] > MAX_ROWS or meta.max_seqlen_q != 1 or input_ids.shape != positions.shape:
-            raise ValueError(f"a fused step takes up to {MAX_ROWS} sequences adding one token each, got "
+        """Logits [B, vocab] of a decode-only step of B sequences (every row is sampled)."""
+        if not self.fits(input_ids.shape[0], 0) or meta.max_seqlen_q != 1 or input_ids.shape != positions.shape:
+            limit = "any number of" if self.max_rows is None else f"up to {self.max_rows}"
+            raise ValueError(f"a fused step takes {limit} sequences adding one token each, got "
                              f"{tuple(input_ids.shape)} tokens with max_seqlen_q={meta.max_seqlen_q}")
         plan = cpu_decode.DecodePlan(meta.block_tables, meta.context_lens, self.storage.block_size)  # checks them
         block_tables, context_lens = plan.block_tables, plan.context_lens  # int32, contiguous
