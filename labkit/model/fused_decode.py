@@ -82,7 +82,7 @@ def _weights_kind(model) -> str | None:
         return None
     if all(isinstance(linear, Q4Linear | Int8Linear) and linear.native is not None for linear in linears):
         return "quantized"
-    if all(isinstance(linear, PackedF32Linear) for linear in linears) and packed_f32.kernel() is not None:
+    if all(isinstance(linear, PackedF32Linear) for linear in linears):  # each holds the loaded kernel
         return "float32"
     return None
 
