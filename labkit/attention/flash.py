@@ -15,9 +15,10 @@ interpreter for the reason given there.
 """
 
 import functools
-import os
 
 import torch
+
+from labkit.attention.triton_kernels import interpreted
 
 
 @functools.cache
@@ -90,7 +91,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     devices = {t.device for t in (q, k, v, cu_seqlens)}
     if len(devices) > 1:
         raise ValueError(f"q, k, v and cu_seqlens must be on one device, got {sorted(map(str, devices))}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type == "cpu" and not interpreted():
         raise ValueError("flash_attention got CPU tensors, but Triton compiles for the GPU here: move q, k, v and "
                          "cu_seqlens to the GPU, or set TRITON_INTERPRET=1 before triton is first imported")
     if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
@@ -107,7 +108,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=q.shape[1] // k.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         D_PAD=max(16, next_power_of_2(head_dim)),
-        WIDEN_DOTS=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        WIDEN_DOTS=q.dtype == torch.bfloat16 and interpreted(),
     )
     return out
 

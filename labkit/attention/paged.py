@@ -23,11 +23,10 @@ is taken by the torch backend whenever a batch has no cached prefix, which skips
 """
 
 import importlib.util
-import os
 
 import torch
 
-from labkit.attention import cpu_decode, reference
+from labkit.attention import cpu_decode, reference, triton_kernels
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 
@@ -45,7 +44,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "triton" and not has_triton:
         raise ValueError("backend='triton' needs the triton package (wheels exist for Linux only); "
                          "use backend='torch'")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" and not triton_kernels.interpreted():
         raise ValueError(
             "backend='triton' on a CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
             "triton is imported, or use backend='torch'"
@@ -62,8 +61,6 @@ class PagedAttentionBackend:
                              f"kv_cache_dtype={storage.quant.name!r}: use attention_backend='torch' (the default "
                              f"on CPU) or kv_cache_dtype='auto'")
         if self.backend == "triton":
-            from labkit.attention import triton_kernels
-
             self._store, self._kernels = triton_kernels.store_kvcache, triton_kernels
         else:
             self._store, self._kernels = None, None

@@ -27,6 +27,12 @@ import torch
 # max |kernel - fp32 reference| on the same unit-variance inputs, per dtype (see above)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was first
+    imported) rather than compiling them for a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
 @functools.cache
 def _kernels():
     import triton
@@ -158,6 +164,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=max(16, block_n),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=max(16, next_power_of_2(head_dim)),
-        WIDEN_DOTS=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        WIDEN_DOTS=q.dtype == torch.bfloat16 and interpreted(),
     )
     return out
