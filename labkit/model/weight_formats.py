@@ -116,7 +116,9 @@ class Int8Linear(nn.Module):
         if self.native is not None:
             y = self.native(x)
         else:
-            rows = nn.functional.pad(x.reshape(-1, self.in_features), (0, self.codes.shape[1] - self.in_features))
+            rows, padding = x.reshape(-1, self.in_features), self.codes.shape[1] - self.in_features
+            if padding:  # SmolLM2's widths (576, 1536) need none: no copy on their path
+                rows = nn.functional.pad(rows, (0, padding))
             y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
