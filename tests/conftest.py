@@ -1,7 +1,9 @@
-"""Session-wide test setup that must happen before any test module imports triton."""
+"""Session-wide test setup that must happen before any test module imports triton, and the fixture
+the C kernels' build tests share."""
 
 import os
 
+import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET when it is first imported, and transformers may import it while a
@@ -9,3 +11,19 @@ import torch
 # On a CUDA machine the kernels compile instead (make gpu-check).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """Every C kernel built afresh, at its next use, into an empty cache directory and with whatever
+    the test patched (compiler, CPU target); the loaded kernels are restored afterwards."""
+    from labkit.attention import cpu_decode
+    from labkit.model import fused_decode, int8_dot, packed_f32
+
+    loaders = (cpu_decode._load, int8_dot._load, packed_f32._load, fused_decode._load)
+    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+    for load in loaders:
+        load.cache_clear()
+    yield tmp_path
+    for load in loaders:
+        load.cache_clear()

@@ -23,16 +23,6 @@ def compiled():
         pytest.skip(f"no C kernel here: {cpu_decode.decode_attention_kernel()}")
 
 
-@pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """A build into an empty cache directory, with whatever the test patched; the module's loaded
-    kernel is restored afterwards."""
-    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
-    cpu_decode._load.cache_clear()
-    yield tmp_path
-    cpu_decode._load.cache_clear()
-
-
 def sdpa_decode(q, k_cache, v_cache, tables, lens):
     """The oracle: per sequence, its blocks concatenated in table order, then torch's SDPA in float32."""
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]

@@ -130,25 +130,20 @@ def test_bad_activations_are_refused_by_name(compiled):
         packed(torch.randn(1, 32))
 
 
-def test_without_a_compiler_the_formats_keep_torchs_kernels_and_say_why(monkeypatch, tmp_path):
-    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+def test_without_a_compiler_the_formats_keep_torchs_kernels_and_say_why(monkeypatch, fresh_build):
     monkeypatch.setattr(native, "find_c_compiler", lambda: None)
-    int8_dot._load.cache_clear()
-    try:
-        assert not int8_dot.available() and int8_dot.kernel_name() == "no C compiler"
-        kernel = linear_kernel("q4_1", torch.bfloat16)
-        assert "torch int4" in kernel and "no C compiler" in kernel
-        codes, d, m = random_q4_1(64, 128)
-        layer = Q4Linear(codes, d, m)
-        assert layer.native is None
-        x = torch.randn(2, 128).bfloat16()
-        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dequantize_q4_1(codes, d, m)),
-                                   atol=0.02, rtol=0.02)
-        linear = torch.nn.Linear(128, 64, bias=False)
-        assert Int8Linear(linear).native is None
-    finally:
-        int8_dot._load.cache_clear()
-    assert list(tmp_path.iterdir()) == []
+    assert not int8_dot.available() and int8_dot.kernel_name() == "no C compiler"
+    kernel = linear_kernel("q4_1", torch.bfloat16)
+    assert "torch int4" in kernel and "no C compiler" in kernel
+    codes, d, m = random_q4_1(64, 128)
+    layer = Q4Linear(codes, d, m)
+    assert layer.native is None
+    x = torch.randn(2, 128).bfloat16()
+    torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dequantize_q4_1(codes, d, m)),
+                               atol=0.02, rtol=0.02)
+    linear = torch.nn.Linear(128, 64, bias=False)
+    assert Int8Linear(linear).native is None
+    assert list(fresh_build.iterdir()) == []
 
 
 @pytest.mark.parametrize("magnitude", [1e-7, 1e-4, 1.0, 3e3])
@@ -161,24 +156,19 @@ def test_activation_scales_round_to_float16_like_torch_across_its_range(compiled
 
 @pytest.mark.parametrize("target", [("AVX-512", ["-march=x86-64-v4", "-DLANES=16"]),
                                     ("AVX2", ["-march=x86-64-v3", "-DLANES=8"]), ("generic", ["-DLANES=4"])])
-def test_the_other_builds_compute_the_same_arithmetic(compiled, monkeypatch, tmp_path, target):
+def test_the_other_builds_compute_the_same_arithmetic(compiled, monkeypatch, fresh_build, target):
     """AVX-512 without VNNI and AVX2 take the vpmaddubsw path (int8 by sign transfer, no +128 shift),
     other CPUs plain C: the same integers, so the same outputs up to float32 sums."""
     if target[0] != "generic" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU cannot run an AVX2 build")
     if target[0] == "AVX-512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("this CPU cannot run an AVX-512 build")
-    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "cpu_target", lambda: target)
-    int8_dot._load.cache_clear()
-    try:
-        assert int8_dot.kernel_name() == f"C/{'AVX2' if target[0] == 'AVX-512' else target[0]}"
-        codes, d, m = random_q4_1(13, 96)
-        x = torch.randn(3, 96)
-        assert_matches(int8_dot.pack_q4_1(codes, d, m)(x), q4_1_oracle(x, codes, d, m))
-        gen = torch.Generator().manual_seed(1)
-        int8_codes = torch.randint(-127, 128, (6, 200), generator=gen, dtype=torch.int8)
-        scale, x = torch.rand(6, generator=gen), torch.randn(3, 200, generator=gen)
-        assert_matches(int8_dot.pack_int8(int8_codes, scale)(x), int8_oracle(x, int8_codes, scale))
-    finally:
-        int8_dot._load.cache_clear()
+    assert int8_dot.kernel_name() == f"C/{'AVX2' if target[0] == 'AVX-512' else target[0]}"
+    codes, d, m = random_q4_1(13, 96)
+    x = torch.randn(3, 96)
+    assert_matches(int8_dot.pack_q4_1(codes, d, m)(x), q4_1_oracle(x, codes, d, m))
+    gen = torch.Generator().manual_seed(1)
+    int8_codes = torch.randint(-127, 128, (6, 200), generator=gen, dtype=torch.int8)
+    scale, x = torch.rand(6, generator=gen), torch.randn(3, 200, generator=gen)
+    assert_matches(int8_dot.pack_int8(int8_codes, scale)(x), int8_oracle(x, int8_codes, scale))

@@ -25,16 +25,6 @@ def compiled():
         pytest.skip(f"no C kernel here: {packed_f32.gemm_kernel()}")
 
 
-@pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """A build into an empty cache directory, with whatever the test patched; the module's loaded
-    kernel is restored afterwards."""
-    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
-    packed_f32._load.cache_clear()
-    yield tmp_path
-    packed_f32._load.cache_clear()
-
-
 def linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
     torch.manual_seed(seed)
     return nn.Linear(in_features, out_features, bias=bias)
