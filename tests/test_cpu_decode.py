@@ -77,6 +77,19 @@ def test_a_mixed_step_serves_its_decode_rows_with_the_kernel(compiled):
                                atol=2e-6, rtol=0)
 
 
+def test_every_row_as_a_decode_row_equals_the_padded_causal_attention(compiled):
+    """The same mixed step with each query row of every prefill made a decode row over its causal
+    prefix (the float32 engine's prefills): one kernel group, the gather plan's result."""
+    k_lens, q_lens = [40, 23, 17, 9, 96], [8, 1, 17, 1, 96]
+    q, k_cache, v_cache, tables, cu_q, cu_k = reference.random_paged_inputs(k_lens, q_lens, 3, 64, 16, 9, seed=3)
+    rows = reference.PagedAttentionPlan(cu_q, cu_k, tables, 16, 3, decode_group=cpu_decode.DecodePlan,
+                                        every_row_as_decode=True)
+    gather = reference.PagedAttentionPlan(cu_q, cu_k, tables, 16, 3, always_read_cache=True)
+    assert len(rows.groups) == 1 and rows.groups[0].context_lens[:9].tolist() == list(range(33, 41)) + [23]
+    torch.testing.assert_close(rows.run(q, None, None, k_cache, v_cache), gather.run(q, None, None, k_cache, v_cache),
+                               atol=2e-6, rtol=0)
+
+
 def test_the_engine_backend_plans_the_kernel_once_per_step(compiled):
     torch.manual_seed(0)
     storage = PagedKVStorage(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=3, head_dim=64)

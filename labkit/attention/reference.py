@@ -136,6 +136,16 @@ class _PaddedGroup:
         return self.unpad(_padded_attention(self.pad(q), k, v, self.visible))
 
 
+def _padding_dominates(q_lens: torch.Tensor, k_lens: torch.Tensor) -> bool:
+    """Whether a padded batch would score over twice the (query, key) pairs causal attention needs.
+    The padded SDPA scores every pair of its [sequences, longest query, longest context] box; decode
+    rows score only each query's causal prefix, at about half the rate (measured on one CPU core:
+    one 2048-token prompt, where the box is twice the work, ran 10% faster padded; 64 prompts of
+    16-96 tokens, a box 5x the work, 3x faster as rows)."""
+    needed = int((q_lens * (k_lens - q_lens) + q_lens * (q_lens + 1) // 2).sum())
+    return q_lens.numel() * int(q_lens.max()) * int(k_lens.max()) > 2 * needed
+
+
 class PagedAttentionPlan:
     """Everything a step's attention needs besides q, k, v and the caches, computed once per step.
 
@@ -148,12 +158,23 @@ class PagedAttentionPlan:
     """
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_tables: torch.Tensor | None,
-                 block_size: int, group: int, always_read_cache: bool = False, decode_group=None):
+                 block_size: int, group: int, always_read_cache: bool = False, decode_group=None,
+                 every_row_as_decode: bool = False):
         q_lens, k_lens = cu_seqlens_q.diff(), cu_seqlens_k.diff()
         only_new_tokens = torch.equal(q_lens, k_lens)
         if block_tables is None and not only_new_tokens:
             raise ValueError("block_tables is None but cu_seqlens_k differs from cu_seqlens_q: "
                              "a step over cached tokens needs block tables")
+        if every_row_as_decode and decode_group is not None and block_tables is not None and \
+                _padding_dominates(q_lens, k_lens):
+            # Query j of a sequence is a decode row over the keys up to its own position, read from the
+            # pool through its sequence's block table (the step's new K/V are already stored there):
+            # causal attention with no padding and no mask.
+            self.reads_cache = True
+            seq_index, pos = _flat_to_padded_index(cu_seqlens_q)
+            context = (k_lens - q_lens)[seq_index] + pos + 1
+            self.groups = [decode_group(block_tables[seq_index], context, block_size, None)]
+            return
         # A batch with no cached prefix can attend over the new tokens' own K/V: no gather needed.
         self.reads_cache = block_tables is not None and (always_read_cache or not only_new_tokens)
         is_decode = q_lens == 1
