@@ -8,6 +8,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from labkit.sampling import Sampler, SamplingMetadata, SamplingParams, apply_penalties, filter_logits, token_counts
+from labkit.sampling.sampler import greedy_tokens
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])  # 8 tokens, a spread of probabilities
 
@@ -187,3 +188,20 @@ def test_bad_calls_are_rejected_with_clear_messages():
     metadata = SamplingMetadata.from_requests([SamplingParams()] * 2, [[], []], [[], []])
     with pytest.raises(ValueError, match=r"one row per request \(2\), got shape \(3, 10\)"):
         Sampler()(torch.zeros(3, 10), metadata)
+
+
+@pytest.mark.parametrize("vocab", [49152, 3 * 1024, 1000])
+def test_greedy_tokens_equal_torch_max_with_ties_and_nans(vocab):
+    """The two-pass argmax picks what torch's max(-1).indices picks: the first of tied maxima (here
+    planted in a later block than an earlier copy, and inside one block), and the first NaN."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab)
+    logits[1, vocab - 5] = logits[1, 7] = 10.0             # a tie across blocks: the earlier one wins
+    logits[2, 3] = logits[2, 4] = 10.0                     # a tie inside one block
+    logits[3, vocab // 2] = logits[3, vocab - 1] = float("nan")
+    logits[4] = 0.0                                        # every entry tied
+    expected = logits.max(-1).indices
+    assert greedy_tokens(logits).tolist() == expected.tolist()
+    assert expected[1] == 7 and expected[2] == 3 and expected[3] == vocab // 2 and expected[4] == 0
+    bf16 = logits.to(torch.bfloat16)
+    assert greedy_tokens(bf16).tolist() == bf16.max(-1).indices.tolist()

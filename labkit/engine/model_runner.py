@@ -26,6 +26,7 @@ from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.engine.sequence import Sequence
 from labkit.sampling import Sampler, SamplingMetadata
+from labkit.sampling.sampler import greedy_tokens
 
 
 @dataclass
@@ -153,7 +154,7 @@ class ModelRunner:
         `eos_token_id` is what min_tokens masks until enough tokens were generated.
         """
         if all(seq.params.greedy and not seq.params.changes_logits for seq in seqs):
-            return logits.max(-1).indices.tolist()  # argmax's result (the first maximum), ~1.7x faster on a CPU
+            return greedy_tokens(logits).tolist()
         metadata = SamplingMetadata.from_requests([seq.params for seq in seqs],
                                                   [seq.prompt_token_ids for seq in seqs],
                                                   [seq.output_token_ids for seq in seqs], device=logits.device,

@@ -66,6 +66,24 @@ def seeded_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.
     return (bits.to(torch.float64) + 0.5) / 2.0**32
 
 
+GREEDY_BLOCK = 1024  # vocabulary entries per block of `greedy_tokens`' first pass
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of `logits` [batch, vocab], exactly torch's `max(-1).indices` (the first
+    maximum; a NaN counts as the largest), in two passes. On a CPU, torch's max-with-index over a
+    49,152-wide row runs ~6x slower than a plain max: so the first pass takes the plain max of each
+    block of GREEDY_BLOCK entries, and the index search runs only inside the first block that holds
+    the row's maximum (an earlier block holding it would hold an earlier maximum)."""
+    rows, vocab = logits.shape
+    if vocab % GREEDY_BLOCK:
+        return logits.max(-1).indices
+    blocks = logits.view(rows, vocab // GREEDY_BLOCK, GREEDY_BLOCK)
+    block = blocks.amax(-1).max(-1).indices
+    within = blocks[torch.arange(rows, device=logits.device), block].max(-1).indices
+    return block * GREEDY_BLOCK + within
+
+
 def gumbel_max(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Sample one index per row from softmax(logits), given one uniform per entry (-inf entries never win)."""
     return (logits.to(torch.float64) - torch.log(-torch.log(uniforms))).argmax(dim=-1)
@@ -177,12 +195,12 @@ class Sampler:
                 metadata.frequency_penalty,
             )
         greedy_rows = metadata.temperature == 0
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy = greedy_tokens(logits)
         if greedy_rows.all():
-            return greedy_tokens
+            return greedy
         filtered = self.filter(logits, metadata)
         sampled = gumbel_max(filtered, seeded_uniforms(metadata.seeds, metadata.steps, self._hashed_vocab(logits)))
-        return torch.where(greedy_rows, greedy_tokens, sampled)
+        return torch.where(greedy_rows, greedy, sampled)
 
     @staticmethod
     def filter(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
