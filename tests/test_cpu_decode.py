@@ -90,6 +90,21 @@ def test_every_row_as_a_decode_row_equals_the_padded_causal_attention(compiled):
                                atol=2e-6, rtol=0)
 
 
+def test_rows_are_taken_only_where_padding_would_over_double_the_work(compiled, monkeypatch):
+    """One whole prompt (its box is just under twice the causal work) keeps the padded SDPA; a
+    decode-only step (the engine's hot path) goes straight to the decode group, without weighing
+    the padding at all, however uneven its contexts."""
+    one_prompt = torch.tensor([0, 96])
+    plan = reference.PagedAttentionPlan(one_prompt, one_prompt, torch.arange(6)[None], 16, 3,
+                                        decode_group=cpu_decode.DecodePlan, every_row_as_decode=True)
+    assert isinstance(plan.groups[0], reference._PaddedGroup) and not plan.reads_cache
+    monkeypatch.setattr(reference, "_padding_dominates", lambda *_: pytest.fail("weighed a decode-only step"))
+    decodes = reference.PagedAttentionPlan(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 200, 209, 218]),
+                                           torch.arange(39).view(3, 13), 16, 3,
+                                           decode_group=cpu_decode.DecodePlan, every_row_as_decode=True)
+    assert len(decodes.groups) == 1 and decodes.groups[0].context_lens.tolist() == [200, 9, 9]
+
+
 def test_the_engine_backend_plans_the_kernel_once_per_step(compiled):
     torch.manual_seed(0)
     storage = PagedKVStorage(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=3, head_dim=64)

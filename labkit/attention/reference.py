@@ -165,11 +165,12 @@ class PagedAttentionPlan:
         if block_tables is None and not only_new_tokens:
             raise ValueError("block_tables is None but cu_seqlens_k differs from cu_seqlens_q: "
                              "a step over cached tokens needs block tables")
+        is_decode = q_lens == 1
         if every_row_as_decode and decode_group is not None and block_tables is not None and \
-                _padding_dominates(q_lens, k_lens):
+                not bool(is_decode.all()) and _padding_dominates(q_lens, k_lens):
             # Query j of a sequence is a decode row over the keys up to its own position, read from the
             # pool through its sequence's block table (the step's new K/V are already stored there):
-            # causal attention with no padding and no mask.
+            # causal attention with no padding and no mask. (A decode-only step is that already, below.)
             self.reads_cache = True
             seq_index, pos = _flat_to_padded_index(cu_seqlens_q)
             context = (k_lens - q_lens)[seq_index] + pos + 1
@@ -177,7 +178,6 @@ class PagedAttentionPlan:
             return
         # A batch with no cached prefix can attend over the new tokens' own K/V: no gather needed.
         self.reads_cache = block_tables is not None and (always_read_cache or not only_new_tokens)
-        is_decode = q_lens == 1
         # `decode_group(block_tables, context_lens, block_size, tokens)`, if given, serves the decode rows
         # that read the cache instead of a padded gather (the C kernel's `cpu_decode.DecodePlan`).
         direct_decode = decode_group is not None and self.reads_cache
