@@ -64,7 +64,7 @@ static void rms_norm(const float *x, const float *w, int64_t M, int64_t H, float
         float squares = sumv(sums);
         for (; i < H; i++) squares += row[i] * row[i];
         float inv = 1.0f / sqrtf(squares / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) out[r * H + i] = row[i] * inv * w[i];
+        for (i = 0; i < H; i++) out[r * H + i] = row[i] * inv * w[i];
     }
 }
 
