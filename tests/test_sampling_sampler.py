@@ -7,8 +7,15 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from labkit.sampling import Sampler, SamplingMetadata, SamplingParams, apply_penalties, filter_logits, token_counts
-from labkit.sampling.sampler import greedy_tokens
+from labkit.sampling import (
+    Sampler,
+    SamplingMetadata,
+    SamplingParams,
+    apply_penalties,
+    filter_logits,
+    greedy_tokens,
+    token_counts,
+)
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])  # 8 tokens, a spread of probabilities
 

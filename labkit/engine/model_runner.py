@@ -25,8 +25,7 @@ import torch
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.engine.sequence import Sequence
-from labkit.sampling import Sampler, SamplingMetadata
-from labkit.sampling.sampler import greedy_tokens
+from labkit.sampling import Sampler, SamplingMetadata, greedy_tokens
 
 
 @dataclass

@@ -19,7 +19,7 @@ from labkit.sampling.filters import (
 from labkit.sampling.logprobs import Logprob
 from labkit.sampling.params import SamplingParams
 from labkit.sampling.penalties import apply_penalties, token_counts
-from labkit.sampling.sampler import Sampler, SamplingMetadata
+from labkit.sampling.sampler import Sampler, SamplingMetadata, greedy_tokens
 from labkit.sampling.stop import FinishState, StopMatch, check_stop, find_stop_string
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "check_stop",
     "filter_logits",
     "find_stop_string",
+    "greedy_tokens",
     "keep_argmax",
     "token_counts",
 ]
