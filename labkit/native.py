@@ -69,15 +69,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "labkit"
 
 
-def build(source: Path, includes: tuple[Path, ...] = ()) -> tuple[ctypes.CDLL, str]:
+def build(source: Path, includes: tuple[Path, ...] = (), extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL, str]:
     """Compile `source` for this CPU (or reuse the cached build) and load it: (library, target name).
-    `includes`: the C files `source` #includes, so that editing them rebuilds it too. Raises
-    BuildError with the reason when there is no compiler or the build fails."""
+    `includes`: the C files `source` #includes, so that editing them rebuilds it too; `extra_flags`:
+    the extensions it needs beyond the CPU's vector ISA (e.g. AMX). Raises BuildError with the reason
+    when there is no compiler or the build fails."""
     compiler = find_c_compiler()
     if compiler is None:
         raise BuildError("no C compiler")
     target, flags = cpu_target()
-    command = [compiler, "-O3", "-shared", "-fPIC", *flags]
+    command = [compiler, "-O3", "-shared", "-fPIC", *flags, *extra_flags]
     try:
         texts = [path.read_text() for path in (source, *includes)]
         key = hashlib.sha256("\0".join([*texts, *command, platform.machine()]).encode()).hexdigest()
@@ -99,14 +100,14 @@ def build(source: Path, includes: tuple[Path, ...] = ()) -> tuple[ctypes.CDLL, s
         raise BuildError(f"compiling {source.name} failed: {detail.splitlines()[-1] if detail else error}") from error
 
 
-def loader(source: Path, bind, includes: tuple[Path, ...] = ()):
+def loader(source: Path, bind, includes: tuple[Path, ...] = (), extra_flags: tuple[str, ...] = ()):
     """A cached function that builds `source` at its first call and returns `bind(library, target)`,
     or, when it cannot be built, the reason as a string (for the kernel's name in benchmark output).
     `.cache_clear()` forgets it, as tests do to build again."""
     @functools.cache
     def load():
         try:
-            library, target = build(source, includes)
+            library, target = build(source, includes, extra_flags)
         except BuildError as error:
             return str(error)
         return bind(library, target)

@@ -118,11 +118,58 @@ def test_a_float32_models_fused_steps_match_its_eager_steps(float32_engine):
     assert fused.fits(1024, 100) and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.fixture(scope="module")
+def bfloat16_engine():
+    """The engine's own bf16 model: its linears packed for the AMX GEMM, where this CPU has AMX."""
+    llm = LLM("smollm2", device="cpu", dtype=torch.bfloat16, max_num_seqs=16)
+    if not isinstance(llm.runner.decode_graphs, FusedDecoder):
+        pytest.skip(f"no fused decode here: {FusedDecoder.unsupported(llm.model, llm.storage)}")
+    return llm
+
+
+def test_a_bfloat16_models_fused_steps_are_as_close_to_the_fp32_model_as_its_eager_steps(bfloat16_engine):
+    """The eager bf16 step rounds its residual stream to bf16 after every layer, the fused one keeps it
+    in float32 and rounds only the linears' inputs (the AMX GEMM's bf16 operands): neither equals the
+    other. What must hold, for every sequence of a batch larger than the quantized limit: the fused
+    step is no further than the eager one from the float32 model on the same tokens, and it picks the
+    float32 model's token wherever that choice is clear."""
+    llm, fused, steps = bfloat16_engine, bfloat16_engine.runner.decode_graphs, []
+
+    def both(input_ids, positions, meta):
+        with torch.inference_mode():
+            hidden = llm.model.forward_hidden(input_ids, positions, meta, llm.runner.backend)
+            eager = llm.model.compute_logits(hidden).float()
+        logits = FusedDecoder.run(fused, input_ids, positions, meta).float()
+        steps.append((input_ids.clone(), logits, eager))
+        return logits
+
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS][:MAX_ROWS + 3]
+    fused.run = both
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        del fused.run
+    assert [len(ids) for ids, _, _ in steps] == [len(prompts)] * 7
+    fused_distance = eager_distance = 0.0
+    for row, out in enumerate(outputs):
+        assert [ids[row].item() for ids, _, _ in steps] == out.token_ids[:7]  # row i is sequence i throughout
+        with torch.inference_mode():
+            reference = dense_fp32()(torch.tensor(out.prompt_token_ids + out.token_ids))[len(out.prompt_token_ids):][:7]
+        fused_rows, eager_rows = (torch.stack([step[k][row] for step in steps]) for k in (1, 2))
+        fused_distance += (fused_rows - reference).abs().mean().item() / len(outputs)
+        eager_distance += (eager_rows - reference).abs().mean().item() / len(outputs)
+        top2 = reference.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1.0
+        assert (fused_rows.argmax(-1) == reference.argmax(-1))[clear].all()
+    assert fused_distance <= 1.1 * eager_distance, (fused_distance, eager_distance)
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_models_and_pools_it_cannot_run_are_named(engine):
     """The engine keeps its eager path for them (LLM asks `unsupported` before it builds one)."""
     c = engine.model.config
     assert FusedDecoder.unsupported(dense_fp32(), engine.storage).endswith(  # torch's nn.Linear, not packed
-        "nor all float32 packed for the C GEMM (PackedF32Linear), without biases")
+        "nor all packed for a C GEMM (PackedF32Linear, PackedBf16Linear), without biases")
     int8_pool = PagedKVStorage(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, dtype=engine.model.dtype,
                                kv_cache_dtype="int8")
     assert "KV pool is quantized" in FusedDecoder.unsupported(engine.model, int8_pool)

@@ -7,19 +7,25 @@
  * one token: RMSNorm, the q/k/v projections, rotary (half-split pairs), the K/V rows stored into the
  * paged pool, paged decode attention (paged_decode.c), the output projection and residual, RMSNorm,
  * the SwiGLU MLP and residual. The residual stream stays float32 throughout (as llama.cpp's does);
- * the linears are int8_dot.c's for the quantized formats, or gemm_f32.c's packed float32 GEMM for a
- * dense float32 model, reached through a function pointer (that library is built on its own). The
+ * the linears are int8_dot.c's for the quantized formats, or the packed GEMM of a dense float32
+ * (gemm_f32.c) or bf16 (gemm_bf16.c, AMX) model, reached through a function pointer (those libraries
+ * are built on their own, the AMX one with its own compiler flags). The
  * Python side (fused_decode.py) checks the model and every shape and lays the weights out; this
  * file trusts its arguments.
  */
 #include "int8_dot.c"
 #include "../attention/paged_decode.c"
 
-#define F32_PACKED 2 /* a Linear kind beside int8_dot.c's Q4_1 and INT8: gemm_f32.c's panels in `a` */
+/* Linear kinds beside int8_dot.c's Q4_1 and INT8: gemm_f32.c's panels, or gemm_bf16.c's AMX tiles, in `a` */
+#define F32_PACKED 2
+#define BF16_PACKED 3
 
 /* gemm_f32.c's entry point: y [m, n] = x [m, k] (row stride ldx) times the packed weight, plus bias. */
 typedef void gemm_f32_fn(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int m,
                          int n, int k);
+/* gemm_bf16.c's: y [m, n] = x [m, used] times the weight packed over K inputs; here float32 in and out. */
+typedef int gemm_bf16_fn(const void *x, int x_f32, int64_t ldx, const uint16_t *packed, const float *bias, void *y,
+                         int y_f32, int64_t m, int64_t n, int64_t K, int64_t used);
 
 /* One packed linear layer: `kind` (Q4_1, INT8 or F32_PACKED), its weight arrays (int8_dot.c's
  * layouts, or gemm_f32.c's panels in `a`), N outputs, K inputs as stored, n inputs used. */
@@ -39,7 +45,8 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_blocks;
     float eps;
     int32_t kv_bf16;
-    gemm_f32_fn *gemm_f32; /* for F32_PACKED linears; NULL when there are none */
+    gemm_f32_fn *gemm_f32;   /* for F32_PACKED linears; NULL when there are none */
+    gemm_bf16_fn *gemm_bf16; /* for BF16_PACKED linears; NULL when there are none */
 } Shape;
 
 static int project(const Shape *s, const Linear *L, const float *x, int64_t M, float *y) {
@@ -47,6 +54,8 @@ static int project(const Shape *s, const Linear *L, const float *x, int64_t M, f
         s->gemm_f32(x, L->n, (const float *)L->a, NULL, y, (int)M, (int)L->N, (int)L->n);
         return 0;
     }
+    if (L->kind == BF16_PACKED) /* x rounded to bf16 as the eager bf16 model's activations are */
+        return s->gemm_bf16(x, 1, L->n, (const uint16_t *)L->a, NULL, y, 1, M, L->N, L->K, L->n);
     return linear((int)L->kind, L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
 }
 

@@ -1,5 +1,5 @@
 """Decode steps on the CPU in one C call (`fused_decode.c`): a quantized model's small batches, and a
-dense float32 model's batches of any size.
+dense float32 or (on AMX CPUs) bf16 model's batches of any size.
 
 At batch 1 the eager model spends more time issuing its ~45 small torch operations per layer than
 multiplying its 4-bit weights, and a float32 model's batched decode steps lose a good part of their
@@ -8,7 +8,8 @@ runs a decode-only step through every layer in C instead: the same maths as `lay
 residual stream in float32, and the linears the model already multiplies with: `int8_dot.c`'s for
 the quantized formats (up to `MAX_ROWS` sequences; larger batches multiply faster as dense GEMMs),
 or `gemm_f32.c`'s packed GEMM (`PackedF32Linear`), the same kernel and order of sums as the eager
-step. It plugs into the engine where CUDA graphs do (`fits`, `run`: `ModelRunner.forward` replays a
+step, or `gemm_bf16.c`'s AMX GEMM (`PackedBf16Linear`: the eager bf16 step's kernel too, its inputs
+rounded to bf16 as the eager step's are, its residual kept in float32 as the others' is). It plugs into the engine where CUDA graphs do (`fits`, `run`: `ModelRunner.forward` replays a
 decode step through it), so prefill and every other path stay the eager model's.
 `FusedDecoder.unsupported(model, storage)` says why a model cannot use it.
 """
@@ -21,15 +22,17 @@ import torch
 from labkit import native
 from labkit.attention import cpu_decode
 from labkit.attention.metadata import AttentionMetadata
-from labkit.model import int8_dot, packed_f32
+from labkit.model import int8_dot, packed_bf16, packed_f32
 from labkit.model.layers import rope_cos_sin, rope_inv_freq
+from labkit.model.packed_bf16 import PackedBf16Linear
 from labkit.model.packed_f32 import PackedF32Linear
 from labkit.model.weight_formats import Int8Linear, Q4Linear
 
 SOURCE = Path(__file__).with_name("fused_decode.c")
 MAX_ROWS = int8_dot.DENSE_FROM_ROWS  # quantized: more sequences than this multiply faster as dense GEMMs
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
-_KIND = {Q4Linear: 0, Int8Linear: 1, PackedF32Linear: 2}  # fused_decode.c's Q4_1, INT8, F32_PACKED
+_KIND = {Q4Linear: 0, Int8Linear: 1, PackedF32Linear: 2, PackedBf16Linear: 3}  # fused_decode.c's Q4_1, INT8,
+# F32_PACKED, BF16_PACKED
 
 
 class _Linear(ctypes.Structure):
@@ -45,7 +48,8 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
                                                      "intermediate", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("kv_bf16", ctypes.c_int32), ("gemm_f32", ctypes.c_void_p)]
+        ("eps", ctypes.c_float), ("kv_bf16", ctypes.c_int32), ("gemm_f32", ctypes.c_void_p),
+        ("gemm_bf16", ctypes.c_void_p)]
 
 
 def _declare(library: ctypes.CDLL, target: str) -> ctypes.CDLL:
@@ -69,6 +73,9 @@ def _linear_struct(layer) -> _Linear:
     if isinstance(layer, PackedF32Linear):
         return _Linear(_KIND[PackedF32Linear], layer.packed.data_ptr(), None, None, layer.out_features,
                        layer.in_features, layer.in_features)
+    if isinstance(layer, PackedBf16Linear):
+        return _Linear(_KIND[PackedBf16Linear], layer.packed.data_ptr(), None, None, layer.out_features,
+                       layer.padded_in_features, layer.in_features)
     packed = layer.native
     return _Linear(_KIND[type(layer)], *(t.data_ptr() for t in packed.tensors), packed.out_features,
                    packed.padded_in_features, packed.in_features)
@@ -76,7 +83,8 @@ def _linear_struct(layer) -> _Linear:
 
 def _weights_kind(model) -> str | None:
     """"quantized" (every linear in int8_dot.c's formats), "float32" (every linear packed for
-    gemm_f32.c), or None: the fused step multiplies with the kernels the layers already hold."""
+    gemm_f32.c), "bfloat16" (every linear packed for gemm_bf16.c), or None: the fused step multiplies
+    with the kernels the layers already hold."""
     linears = [linear for layer in model.layers for linear in _linears(layer)]
     if any(linear.bias is not None for linear in linears):
         return None
@@ -84,6 +92,8 @@ def _weights_kind(model) -> str | None:
         return "quantized"
     if all(isinstance(linear, PackedF32Linear) for linear in linears):  # each holds the loaded kernel
         return "float32"
+    if all(isinstance(linear, PackedBf16Linear) for linear in linears):
+        return "bfloat16"
     return None
 
 
@@ -103,7 +113,7 @@ class FusedDecoder:
             return "the model has q/k norms, attention biases or a head_dim not a multiple of 16"
         if _weights_kind(model) is None:
             return ("its linear layers are neither all in a quantized weight format with the C int8 dot kernel "
-                    "nor all float32 packed for the C GEMM (PackedF32Linear), without biases")
+                    "nor all packed for a C GEMM (PackedF32Linear, PackedBf16Linear), without biases")
         if storage.quantized or storage.dtype != model.dtype or not cpu_decode.supports(storage):
             return "the KV pool is quantized, not in the model's dtype, or not one the C decode kernel reads"
         return None
@@ -122,12 +132,16 @@ class FusedDecoder:
             layers.append(_Layer(*(_linear_struct(linear) for linear in _linears(layer)), self._norms[i][0].data_ptr(),
                                  self._norms[i][1].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()))
         self._layers = (_Layer * len(layers))(*layers)
-        dense = _weights_kind(model) == "float32"
-        self.max_rows = None if dense else MAX_ROWS  # None: any decode batch
-        gemm = ctypes.cast(packed_f32.kernel().gemm, ctypes.c_void_p).value if dense else None
+        kind = _weights_kind(model)
+        self.max_rows = None if kind in ("float32", "bfloat16") else MAX_ROWS  # None: any decode batch
+        packed = {"gemm_f32": (packed_f32, "float32"), "gemm_bf16": (packed_bf16, "bfloat16")}
+        gemms = {name: ctypes.cast(module.kernel().gemm, ctypes.c_void_p).value if kind == dtype else None
+                 for name, (module, dtype) in packed.items()}
+        # the LM head of a packed bf16 model takes bf16 rows, as the eager step's final norm gives it
+        self._head_dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
         self._shape = dict(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                            head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=storage.block_size,
-                           eps=c.rms_norm_eps, kv_bf16=int(storage.dtype == torch.bfloat16), gemm_f32=gemm)
+                           eps=c.rms_norm_eps, kv_bf16=int(storage.dtype == torch.bfloat16), **gemms)
         self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 
     def fits(self, num_seqs: int, width: int) -> bool:
@@ -153,4 +167,4 @@ class FusedDecoder:
                                      cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                                      context_lens.data_ptr()):
             raise MemoryError("the fused decode step could not allocate its activations")
-        return self.model.compute_logits(self.model.norm(x))
+        return self.model.compute_logits(self.model.norm(x.to(self._head_dtype)))

@@ -2,8 +2,9 @@
 
 Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., weight_format=...)`:
 
-- "dequantized": float weights in the model's dtype. In bf16 on a CPU whose oneDNN has a bf16 path
-  (AVX512-BF16 or AMX) the engine reorders each weight once into oneDNN's blocked layout
+- "dequantized": float weights in the model's dtype. In bf16 on a CPU with AMX the engine packs each
+  weight once into AMX's tile layout for a small C GEMM (`packed_bf16.py`, which a fused C decode step
+  can call); on one with AVX512-BF16 only it reorders each weight once into oneDNN's blocked layout
   ("prepacked"), so a call multiplies at once instead of re-laying the weight out every time; in
   fp32 the engine packs each weight once for a small C GEMM (`packed_f32.py`) on AVX-512 CPUs, where
   it measured faster than torch's. The labs see plain `nn.Linear`s (load_model's prepack=False).
@@ -31,7 +32,8 @@ import torch
 from torch import nn
 
 from labkit import native
-from labkit.model import int8_dot, packed_f32
+from labkit.model import int8_dot, packed_bf16, packed_f32
+from labkit.model.packed_bf16 import PackedBf16Linear
 from labkit.model.packed_f32 import PackedF32Linear
 
 WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
@@ -72,6 +74,8 @@ def linear_kernel(weight_format: str, dtype: torch.dtype, device: torch.device |
         return f"torch int8 weight-only, bf16 activations ({features}; {int8_dot.kernel_name()})"
     if weight_format == "q4_1":
         return f"torch int4 weight-only, Q4_1 groups of 32, bf16 activations ({features}; {int8_dot.kernel_name()})"
+    if dtype == torch.bfloat16 and packed_bf16.kernel() is not None:
+        return f"{packed_bf16.gemm_kernel()} ({features})"
     if dtype == torch.bfloat16 and prepacks_bf16():
         return f"oneDNN prepacked bf16 ({features})"
     if dtype == torch.float32:
@@ -216,7 +220,9 @@ def apply_weight_format(model: nn.Module, weight_format: str, prepack: bool = Fa
 
 def _converted(linear: nn.Linear, name: str, weight_format: str, q4_blocks: dict) -> nn.Module:
     if weight_format == "dequantized":
-        return PackedF32Linear(linear) if linear.weight.dtype == torch.float32 else PrepackedLinear(linear)
+        if linear.weight.dtype == torch.float32:
+            return PackedF32Linear(linear)
+        return PackedBf16Linear(linear) if packed_bf16.kernel() is not None else PrepackedLinear(linear)
     if weight_format == "int8" or name == "lm_head" or linear.in_features % Q4_GROUP:
         return Int8Linear(linear)
     blocks = q4_blocks.get(f"{name}.weight") or quantize_q4_1(linear.weight)

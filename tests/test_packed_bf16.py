@@ -1,0 +1,122 @@
+"""The AMX bf16 GEMM (labkit.model.packed_bf16) against float32 products of the same bf16 numbers, its
+float32-in/float32-out entry (the fused decode step's), its fallback on CPUs without AMX, and its
+refusal of bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit import native
+from labkit.model import packed_bf16
+from labkit.model.packed_bf16 import PackedBf16Linear
+from labkit.model.weight_formats import PrepackedLinear, apply_weight_format, linear_kernel
+
+SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # (in, out): q/o, k/v, gate/up, down
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if packed_bf16.kernel() is None:
+        pytest.skip(f"no AMX kernel here: {packed_bf16.gemm_kernel()}")
+
+
+def linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+
+
+def exact(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The float64 product of the same bf16 numbers: what a bf16 GEMM with float32 sums approximates."""
+    bias = None if layer.bias is None else layer.bias.double()
+    return F.linear(x.double(), layer.weight.double(), bias)
+
+
+def assert_matches(layer: nn.Linear, x: torch.Tensor) -> None:
+    with torch.inference_mode():
+        got = PackedBf16Linear(layer)(x)
+    expected = exact(layer, x)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    # float32 sums, then one rounding to bf16 (8 bits): within one bf16 step of the exact value
+    torch.testing.assert_close(got.double(), expected, rtol=2 ** -7, atol=1e-4)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), SMOLLM2_SHAPES)
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 64, 300])
+def test_the_models_shapes_match_the_exact_product(compiled, in_features, out_features, rows):
+    """Rows in part of a tile, one, a tile and one, a decode batch, and more than one slice of rows."""
+    assert_matches(linear(in_features, out_features, bias=rows % 2 == 1), torch.randn(rows, in_features,
+                                                                                      dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(7, 5, 13), (1, 1, 1), (9, 33, 47), (2, 64, 49), (33, 100, 97), (5, 3, 200)])
+def test_odd_shapes_match_the_exact_product(compiled, rows, in_features, out_features):
+    """Inputs padded to a step of 32, outputs that fill part of a panel."""
+    for bias in (True, False):
+        assert_matches(linear(in_features, out_features, bias), torch.randn(rows, in_features, dtype=torch.bfloat16))
+
+
+def test_float32_rows_in_and_out_as_the_fused_step_calls_it(compiled):
+    """x float32 is rounded to bf16 (nearest even, as torch rounds) and y stays float32: equal, up to the
+    order of float32 sums, to torch's product of the rounded rows."""
+    layer, x = linear(200, 70, bias=False), torch.randn(21, 200) * 3
+    packed, y = PackedBf16Linear(layer), torch.empty(21, 70)
+    kernel = packed_bf16.kernel()
+    assert kernel.gemm(x.data_ptr(), 1, 200, packed.packed.data_ptr(), None, y.data_ptr(), 1, 21, 70,
+                       packed.padded_in_features, 200) == 0
+    expected = F.linear(x.to(torch.bfloat16).double(), layer.weight.double()).float()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    assert linear_kernel("dequantized", torch.bfloat16).startswith("C/AMX-BF16 packed bf16 GEMM")
+
+
+def test_any_leading_shape_strides_and_no_rows(compiled):
+    layer = linear(96, 80)
+    packed = PackedBf16Linear(layer)
+    x = torch.randn(3, 5, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for view in (x, x.transpose(0, 1), x[:, ::2], torch.randn(96, 4, dtype=torch.bfloat16).t(),
+                     torch.randn(4, 200, dtype=torch.bfloat16)[:, 7:103]):
+            torch.testing.assert_close(packed(view).double(), exact(layer, view), rtol=2 ** -7, atol=1e-4)
+        assert packed(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 80)
+        assert packed(torch.randn(96, dtype=torch.bfloat16)).shape == (80,)
+
+
+def test_nan_and_infinity_pass_through(compiled):
+    layer = linear(64, 32, bias=False)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x[1, 5], x[2, 7] = float("nan"), float("inf")
+    with torch.inference_mode():
+        got = PackedBf16Linear(layer)(x)
+    assert got[0].isfinite().all() and got[1].isnan().all() and not got[2].isfinite().any()
+
+
+def test_bad_input_is_refused_with_the_reason(compiled):
+    packed = PackedBf16Linear(linear(16, 8))
+    for bad, words in ((torch.randn(2, 15, dtype=torch.bfloat16), r"\(2, 15\)"), (torch.randn(2, 16), "float32"),
+                       (torch.tensor(1.0, dtype=torch.bfloat16), r"\(\)")):
+        with pytest.raises(ValueError, match=rf"takes bfloat16 CPU inputs \[\.\.\., 16\], got .*{words}"):
+            packed(bad)
+    with pytest.raises(ValueError, match="packs bfloat16 CPU weights, got torch.float32"):
+        PackedBf16Linear(linear(16, 8).float())
+    with pytest.raises(ValueError, match="cannot become torch.float32"):
+        packed.float()
+
+
+def test_without_amx_a_bf16_model_keeps_onednn_or_torch_and_says_why(monkeypatch, fresh_build):
+    monkeypatch.setattr(native, "x86_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert packed_bf16.gemm_kernel() == "no AMX GEMM (the CPU has no AMX-BF16)"
+    with pytest.raises(RuntimeError, match=r"unavailable: no AMX GEMM \(the CPU has no AMX-BF16\)"):
+        PackedBf16Linear(linear(8, 8))
+    assert "AMX" not in linear_kernel("dequantized", torch.bfloat16)
+    model = nn.Sequential(linear(8, 8))
+    model.dtype, model.device = torch.bfloat16, torch.device("cpu")
+    apply_weight_format(model, "dequantized", prepack=True)
+    assert type(model[0]) in (PrepackedLinear, nn.Linear)
+    assert list(fresh_build.iterdir()) == []  # nothing was built
+
+
+def test_a_build_that_fails_is_named(compiled, monkeypatch, fresh_build):
+    monkeypatch.setattr(native, "find_c_compiler", lambda: None)
+    assert packed_bf16.gemm_kernel() == "no AMX GEMM (no C compiler)"
+
