@@ -9,8 +9,9 @@ residual stream in float32, and the linears the model already multiplies with: `
 the quantized formats (up to `MAX_ROWS` sequences; larger batches multiply faster as dense GEMMs),
 or `gemm_f32.c`'s packed GEMM (`PackedF32Linear`), the same kernel and order of sums as the eager
 step, or `gemm_bf16.c`'s AMX GEMM (`PackedBf16Linear`: the eager bf16 step's kernel too, its inputs
-rounded to bf16 as the eager step's are, its residual kept in float32 as the others' is). It plugs into the engine where CUDA graphs do (`fits`, `run`: `ModelRunner.forward` replays a
-decode step through it), so prefill and every other path stay the eager model's.
+rounded to bf16 as the eager step's are, its residual kept in float32 as the others' is). It plugs
+into the engine where CUDA graphs do (`fits`, `run`: `ModelRunner.forward` replays a decode step
+through it), so prefill and every other path stay the eager model's.
 `FusedDecoder.unsupported(model, storage)` says why a model cannot use it.
 """
 
