@@ -53,6 +53,24 @@ def test_kernel_matches_sdpa_and_the_gather_path(compiled, dtype, num_heads, num
     torch.testing.assert_close(got.float(), gathered.float(), atol=2 * tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("target", [("AVX2", ["-march=x86-64-v3", "-DLANES=8"]), ("generic", ["-DLANES=4"])])
+def test_the_narrower_vector_builds_match_sdpa(compiled, monkeypatch, fresh_build, target):
+    """CPUs without AVX-512 get 8- or 4-float builds, which sum each token's score on its own (the
+    AVX-512 build sums 16 at once): the same attention, for every GQA shape and a partial block."""
+    if target[0] == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setattr(native, "cpu_target", lambda: target)
+    assert cpu_decode.decode_attention_kernel() == f"C/{target[0]}"
+    for dtype in (torch.float32, torch.bfloat16):
+        k_lens = [1, 7, 16, 40, 150]
+        q, k_cache, v_cache, tables, _, cu_k = reference.random_paged_inputs(
+            k_lens, [1] * len(k_lens), 3, 64, 16, 9, seed=4, dtype=dtype)
+        lens = cu_k.diff()
+        got = cpu_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens)
+        tolerance = {torch.float32: 2e-6, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(got.float(), sdpa_decode(q, k_cache, v_cache, tables, lens), atol=tolerance, rtol=0)
+
+
 def test_extreme_scores_stay_finite_and_exact(compiled):
     """Scores far apart (a max that grows block after block, others e^-1000 below it) must neither
     overflow nor underflow into NaN: the online softmax rescales instead."""
