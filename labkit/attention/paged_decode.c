@@ -7,12 +7,12 @@
  *   block_tables      [num_seqs, max_blocks] int32, context_lens [num_seqs] int32
  * Element type: float32 or bfloat16 (q, caches and out alike); every sum is in float32.
  *
- * Blocks are visited in table order, the next one prefetched meanwhile; each token's K (and V) row
- * of a KV head is read once for the group of query heads sharing it (GQA). On AVX-512 the scores of
- * 16 tokens are summed across lanes together (sum_lanes16), elsewhere one at a time. Each query head
- * keeps the online softmax of the PagedAttention lesson ("Block-wise Softmax Computation"): a
- * running max, a running denominator and a running weighted sum of values, rescaled when the max
- * grows, so no block needs another in memory.
+ * Blocks are visited in table order, the next one's rows prefetched meanwhile; each token's K (and
+ * V) row of a KV head is read once for the group of query heads sharing it (GQA). On AVX-512 the
+ * scores of 16 tokens are summed across lanes together (sum_lanes16), elsewhere one at a time. Each
+ * query head keeps the online softmax of the PagedAttention lesson ("Block-wise Softmax
+ * Computation"): a running max, a running denominator and a running weighted sum of values, rescaled
+ * when the max grows, so no block needs another in memory.
  *
  * Single-threaded: the engine runs one thread per process in its tests and benchmarks. The caller
  * (labkit/attention/cpu_decode.py) validates every shape, dtype and block id before calling; this
@@ -159,23 +159,24 @@ INLINE fvec expv_nonpositive(fvec x) {
 
 INLINE float exp_nonpositive(float x) { return expv_nonpositive((fvec){0} + x)[0]; }
 
-/* Ask for the K and V of the block after (s, b) in the order the kernel reads them (a sequence's
- * blocks, then the next sequence's) while this one is computed: blocks lie wherever the allocator put
- * them, so the hardware prefetcher, which follows sequential addresses, cannot guess them, and each
- * block's first rows waited on memory (measured: a quarter of the kernel's time at batch 40). */
-INLINE void prefetch_next_block(const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                                const int32_t *context_lens, int num_seqs, int max_blocks, int block_size,
-                                int64_t row, int s, int b, int bf16) {
+/* Where the block after (s, b) starts in the pools (element offset) in the order the kernel reads
+ * them (a sequence's blocks, then the next sequence's), and its token count in *n; -1 after the last. */
+INLINE int64_t next_block(const int32_t *block_tables, const int32_t *context_lens, int num_seqs, int max_blocks,
+                          int block_size, int64_t row, int s, int b, int *n) {
     if (++b * block_size >= context_lens[s]) {
-        if (++s == num_seqs) return;
+        if (++s == num_seqs) return -1;
         b = 0;
     }
-    const int rest = context_lens[s] - b * block_size, n = rest < block_size ? rest : block_size;
-    const int64_t size = bf16 ? 2 : 4, offset = (int64_t)block_tables[(int64_t)s * max_blocks + b] * block_size * row * size;
-    for (int64_t line = 0; line < n * row * size; line += 64) {
-        __builtin_prefetch((const char *)k_cache + offset + line);
-        __builtin_prefetch((const char *)v_cache + offset + line);
-    }
+    const int rest = context_lens[s] - b * block_size;
+    *n = rest < block_size ? rest : block_size;
+    return (int64_t)block_tables[(int64_t)s * max_blocks + b] * block_size * row;
+}
+
+/* Ask for one token's row (all KV heads) at element offset `at` of a pool. */
+INLINE void prefetch_row(const void *pool, int64_t at, int64_t row, int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t line = 0; line < row * size; line += 64)
+        __builtin_prefetch((const char *)pool + at * size + line);
 }
 
 INLINE void decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
@@ -206,8 +207,13 @@ INLINE void decode(const void *q, const void *k_cache, const void *v_cache, cons
         for (int b = 0; b * block_size < len; b++) {
             const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
             const int64_t block = (int64_t)table[b] * block_size * row;
-            prefetch_next_block(k_cache, v_cache, block_tables, context_lens, num_seqs, max_blocks, block_size, row,
-                                s, b, bf16);
+            /* the next block's K and V rows are asked for one token at a time, beside this block's V rows
+             * below: blocks lie wherever the allocator put them, so the hardware prefetcher, which
+             * follows sequential addresses, cannot guess them; asked for all at once they filled the
+             * core's miss buffers and stalled the compute (measured: over half the kernel's time) */
+            int next_n = 0;
+            const int64_t next = next_block(block_tables, context_lens, num_seqs, max_blocks, block_size, row, s, b,
+                                            &next_n);
 #if LANES == 16 /* 16 tokens' dot products summed at once (sum_lanes16) */
             for (int t0 = 0; t0 < n; t0 += 16)
                 for (int h = 0; h < num_kv_heads; h++) {
@@ -266,7 +272,11 @@ INLINE void decode(const void *q, const void *k_cache, const void *v_cache, cons
                     acc[i][c] *= alpha;
                 running_max[i] = new_max;
             }
-            for (int t = 0; t < n; t++)
+            for (int t = 0; t < n; t++) {
+                if (next >= 0 && t < next_n) {
+                    prefetch_row(k_cache, next + t * row, row, bf16);
+                    prefetch_row(v_cache, next + t * row, row, bf16);
+                }
                 for (int h = 0; h < num_kv_heads; h++) {
                     for (int c = 0; c < chunks; c++)
                         kv_row[c] = loadv(v_cache, block + t * row + h * dim + LANES * c, bf16);
@@ -274,6 +284,7 @@ INLINE void decode(const void *q, const void *k_cache, const void *v_cache, cons
                         for (int c = 0; c < chunks; c++)
                             acc[i][c] += weight[i][t] * kv_row[c];
                 }
+            }
         }
         for (int i = 0; i < num_heads; i++)
             for (int c = 0; c < chunks; c++)
