@@ -28,8 +28,9 @@ import torch  # noqa: E402
 
 from labkit.attention.cpu_decode import decode_attention_kernel  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
-from labkit.model import load_config, packed_f32  # noqa: E402
+from labkit.model import load_config, packed_bf16, packed_f32  # noqa: E402
 from labkit.model.fused_decode import FusedDecoder  # noqa: E402
+from labkit.model.packed_bf16 import PackedBf16Linear  # noqa: E402
 from labkit.model.packed_f32 import PackedF32Linear  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
 from labkit.model.weight_formats import PrepackedLinear, cpu_features, linear_kernel, prepacks_bf16  # noqa: E402
@@ -100,8 +101,9 @@ def prefix_ttft(llm: LLM) -> float:
 def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 15) -> float:
     """The best FLOP/s this machine reaches on the model's weight shapes [rows, in] x [in, out], over
     torch's default GEMM and the engine's own where it has one: oneDNN's prepacked bf16 (CPUs with
-    native bf16) and the packed C fp32 GEMM (AVX-512). Best of `repeats`: a call of AMX's oneDNN bf16
-    GEMM took either ~0.28 or ~0.6 ms here, and best-of-5 missed the fast one about half the time."""
+    native bf16), the packed C bf16 GEMM (AMX) and the packed C fp32 GEMM (AVX-512). Best of
+    `repeats`: a call of AMX's oneDNN bf16 GEMM took either ~0.28 or ~0.6 ms here, and best-of-5
+    missed the fast one about half the time."""
     c = config
     shapes = {(c.hidden_size, c.num_heads * c.head_dim), (c.hidden_size, c.num_kv_heads * c.head_dim),
               (c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size),
@@ -112,6 +114,8 @@ def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 15) ->
         calls = [linear]
         if dtype == torch.bfloat16 and prepacks_bf16():
             calls.append(PrepackedLinear(linear))
+        if dtype == torch.bfloat16 and packed_bf16.kernel() is not None:
+            calls.append(PackedBf16Linear(linear))
         if dtype == torch.float32 and packed_f32.serves_this_cpu():
             calls.append(PackedF32Linear(linear))
         for call in calls:

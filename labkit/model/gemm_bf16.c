@@ -40,12 +40,6 @@
 #define TILE_VALUES (16 * STEP)
 #define SLICE_ROWS 256 /* rows of x per slice: 768 KiB at 1,536 inputs, beside a panel in a 2 MiB L2 */
 
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-#ifndef PF_AHEAD
-#define PF_AHEAD 1
-#endif
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -109,7 +103,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t *a0, cons
     for (int64_t s = 0; s < K / STEP; s++, b += 2 * TILE_VALUES) {
         if (next)
             for (int line = 0; line < 2 * TILE_VALUES * 2; line += 64)
-                _mm_prefetch((const char *)(next + s * 2 * TILE_VALUES) + line, PF_HINT);
+                _mm_prefetch((const char *)(next + s * 2 * TILE_VALUES) + line, _MM_HINT_T0);
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + TILE_VALUES, 64);
         _tile_loadd(4, a0 + s * STEP, lda * 2);
@@ -179,7 +173,7 @@ int gemm_bf16(const void *x, int x_f32, int64_t ldx, const uint16_t *packed, con
     for (int64_t r0 = 0; r0 < m; r0 += SLICE_ROWS) {
         int64_t r1 = r0 + SLICE_ROWS < m ? r0 + SLICE_ROWS : m;
         for (int64_t p = 0; p < panels; p++) {
-            const uint16_t *b = packed + p * K * PANEL, *next = p + PF_AHEAD < panels ? b + PF_AHEAD * K * PANEL : NULL;
+            const uint16_t *b = packed + p * K * PANEL, *next = p + 1 < panels ? b + K * PANEL : NULL;
             int64_t col = p * PANEL, width = n - col < PANEL ? n - col : PANEL;
             for (int64_t r = r0; r < r1; r += 32) {
                 /* rows r.. of x: in place below `whole`, else from the scratch copy */
