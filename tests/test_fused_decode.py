@@ -77,13 +77,18 @@ def test_the_engine_decodes_small_batches_fused_and_larger_ones_eagerly(engine):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
 
 
-@pytest.fixture(scope="module")
-def float32_engine():
-    """The engine's own float32 model: its linears packed for the C GEMM, where that kernel serves this CPU."""
-    llm = LLM("smollm2", device="cpu", dtype=torch.float32, max_num_seqs=16)
+def dense_engine(dtype: torch.dtype) -> LLM:
+    """The engine's own dense model in `dtype`, its linears packed for a C GEMM (float32: AVX-512; bf16:
+    AMX) where this CPU has that kernel; skips the test where it does not."""
+    llm = LLM("smollm2", device="cpu", dtype=dtype, max_num_seqs=16)
     if not isinstance(llm.runner.decode_graphs, FusedDecoder):
         pytest.skip(f"no fused decode here: {FusedDecoder.unsupported(llm.model, llm.storage)}")
     return llm
+
+
+@pytest.fixture(scope="module")
+def float32_engine():
+    return dense_engine(torch.float32)
 
 
 def test_a_float32_models_fused_steps_match_its_eager_steps(float32_engine):
@@ -120,11 +125,7 @@ def test_a_float32_models_fused_steps_match_its_eager_steps(float32_engine):
 
 @pytest.fixture(scope="module")
 def bfloat16_engine():
-    """The engine's own bf16 model: its linears packed for the AMX GEMM, where this CPU has AMX."""
-    llm = LLM("smollm2", device="cpu", dtype=torch.bfloat16, max_num_seqs=16)
-    if not isinstance(llm.runner.decode_graphs, FusedDecoder):
-        pytest.skip(f"no fused decode here: {FusedDecoder.unsupported(llm.model, llm.storage)}")
-    return llm
+    return dense_engine(torch.bfloat16)
 
 
 def test_a_bfloat16_models_fused_steps_are_as_close_to_the_fp32_model_as_its_eager_steps(bfloat16_engine):
