@@ -123,6 +123,42 @@ def test_a_float32_models_fused_steps_match_its_eager_steps(float32_engine):
     assert fused.fits(1024, 100) and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_a_float32_models_prompt_chunk_and_mixed_steps_run_fused_as_its_eager_steps(float32_engine):
+    """A dense model's fused step runs every step, each prompt row a decode row over its causal
+    prefix: a fresh prompt, a later chunk over its cached first part, a prompt over a prefix-cache hit
+    and decodes sharing a step all give the eager step's logits to 1e-3, row for row."""
+    shared = float32_engine
+    llm = LLM(shared.model, tokenizer=shared.tokenizer, max_num_seqs=5, max_num_batched_tokens=24)
+    fused, kinds = llm.runner.decode_graphs, set()
+    assert fused.runs_prompts
+
+    def both(input_ids, positions, meta):
+        with torch.inference_mode():
+            eager = llm.model.compute_logits(llm.model.forward_hidden(input_ids, positions, meta,
+                                                                      llm.runner.backend)).float()
+            hidden = FusedDecoder.forward_hidden(fused, input_ids, positions, meta)
+            assert (llm.model.compute_logits(hidden).float() - eager).abs().max() < 1e-3
+        q_lens, k_lens = meta.cu_seqlens_q.diff(), meta.cu_seqlens_k.diff()
+        kinds.update({"decode" if q == 1 else "prompt" if q == k else "over a cached prefix"
+                      for q, k in zip(q_lens.tolist(), k_lens.tolist(), strict=True)}
+                     | ({"mixed"} if (q_lens == 1).any() and (q_lens > 1).any() else set()))
+        return hidden
+
+    story = "Once upon a time, in a village by the sea, there lived an old fisherman who told stories"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fused.forward_hidden = both
+    try:
+        first = llm.generate([story], params)
+        outputs = llm.generate([story + " to the children", *PROMPTS, story * 2], params)
+    finally:
+        del fused.forward_hidden
+    assert {"prompt", "over a cached prefix", "decode", "mixed"} <= kinds, kinds
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    llm.runner.decode_graphs = None
+    eager = llm.generate([story + " to the children", *PROMPTS, story * 2], params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager] and first[0].token_ids
+
+
 @pytest.fixture(scope="module")
 def bfloat16_engine():
     return dense_engine(torch.bfloat16)
@@ -131,9 +167,9 @@ def bfloat16_engine():
 def test_a_bfloat16_models_fused_steps_are_as_close_to_the_fp32_model_as_its_eager_steps(bfloat16_engine):
     """The eager bf16 step rounds its residual stream to bf16 after every layer, the fused one keeps it
     in float32 and rounds only the linears' inputs (the AMX GEMM's bf16 operands): neither equals the
-    other. What must hold, for every sequence of a batch larger than the quantized limit: the fused
-    step is no further than the eager one from the float32 model on the same tokens, and it picks the
-    float32 model's token wherever that choice is clear."""
+    other. What must hold, for every sequence of a batch larger than the quantized limit, over its
+    prompt step and its decode steps: the fused step is no further than the eager one from the float32
+    model on the same tokens, and it picks the float32 model's token wherever that choice is clear."""
     llm, fused, steps = bfloat16_engine, bfloat16_engine.runner.decode_graphs, []
 
     def both(input_ids, positions, meta):
@@ -144,18 +180,28 @@ def test_a_bfloat16_models_fused_steps_are_as_close_to_the_fp32_model_as_its_eag
         steps.append((input_ids.clone(), logits, eager))
         return logits
 
+    def prompt_step(input_ids, positions, meta):  # the prompts' last rows predict the first tokens
+        last = meta.cu_seqlens_q[1:] - 1
+        with torch.inference_mode():
+            eager = llm.model.compute_logits(llm.model.forward_hidden(input_ids, positions, meta,
+                                                                      llm.runner.backend)[last]).float()
+            hidden = FusedDecoder.forward_hidden(fused, input_ids, positions, meta)
+        steps.append((None, llm.model.compute_logits(hidden[last]).float(), eager))
+        return hidden
+
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS][:MAX_ROWS + 3]
-    fused.run = both
+    fused.run, fused.forward_hidden = both, prompt_step
     try:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     finally:
-        del fused.run
-    assert [len(ids) for ids, _, _ in steps] == [len(prompts)] * 7
+        del fused.run, fused.forward_hidden
+    assert steps[0][0] is None and [len(ids) for ids, _, _ in steps[1:]] == [len(prompts)] * 7
     fused_distance = eager_distance = 0.0
     for row, out in enumerate(outputs):
-        assert [ids[row].item() for ids, _, _ in steps] == out.token_ids[:7]  # row i is sequence i throughout
+        assert [ids[row].item() for ids, _, _ in steps[1:]] == out.token_ids[:7]  # row i is sequence i throughout
         with torch.inference_mode():
-            reference = dense_fp32()(torch.tensor(out.prompt_token_ids + out.token_ids))[len(out.prompt_token_ids):][:7]
+            logits = dense_fp32()(torch.tensor(out.prompt_token_ids + out.token_ids))
+        reference = logits[len(out.prompt_token_ids) - 1:][:8]  # the prompt step's row, then 7 decode steps'
         fused_rows, eager_rows = (torch.stack([step[k][row] for step in steps]) for k in (1, 2))
         fused_distance += (fused_rows - reference).abs().mean().item() / len(outputs)
         eager_distance += (eager_rows - reference).abs().mean().item() / len(outputs)
@@ -189,3 +235,6 @@ def test_bad_steps_are_refused_before_the_c_code_runs(engine):
         fused.run(ids, positions, replace(meta, cu_seqlens_k=torch.tensor([0, 5, 45])))
     with pytest.raises(ValueError, match=f"up to {MAX_ROWS} sequences adding one token each"):
         fused.run(torch.ones(MAX_ROWS + 1, dtype=torch.long), torch.ones(MAX_ROWS + 1, dtype=torch.long), meta)
+    assert not fused.runs_prompts  # a quantized model's prompts multiply faster as the eager dense GEMMs
+    with pytest.raises(ValueError, match=f"runs decode steps of up to {MAX_ROWS} sequences only"):
+        fused.forward_hidden(ids, positions, meta)

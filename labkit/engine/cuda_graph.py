@@ -32,6 +32,8 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: in
 
 
 class DecodeGraphs:
+    runs_prompts = False  # decode-only steps; prompts run the eager model
+
     def __init__(self, model, backend, sizes: list[int], max_blocks_per_seq: int, max_model_len: int):
         dev = model.device
         self.model, self.backend = model, backend

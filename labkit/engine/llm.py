@@ -105,7 +105,7 @@ class LLM:
                                             capture_sizes(max_num_seqs, max_num_batched_tokens, num_kvcache_blocks),
                                             -(-max_model_len // block_size), max_model_len)
         elif backend.reads_pool_in_c and FusedDecoder.unsupported(self.model, self.storage) is None:
-            graphs = FusedDecoder(self.model, self.storage)  # decode steps in C (fused_decode.py says which)
+            graphs = FusedDecoder(self.model, self.storage)  # steps in C (fused_decode.py says which)
         self.runner = components.model_runner(self.model, self.storage, backend, graphs)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")

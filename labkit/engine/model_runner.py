@@ -56,7 +56,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model, storage: PagedKVStorage, backend, decode_graphs=None):
         """`decode_graphs` runs decode-only steps it `fits` in one go: recorded CUDA graphs (cuda_graph.py),
-        or on a CPU the fused C step of a quantized or packed float32 model (labkit/model/fused_decode.py)."""
+        or on a CPU the fused C step of a quantized or packed dense model (labkit/model/fused_decode.py),
+        which for a dense model also runs every other step (`runs_prompts`)."""
         self.model = model
         self.storage = storage
         self.block_size = storage.block_size
@@ -128,7 +129,10 @@ class ModelRunner:
                 and not any(seq.needs_prompt_logprobs for seq in seqs)):
             logits = graphs.run(step.input_ids, step.positions, step.meta)
             return ForwardOutput(step.sampled_seqs, logits.float(), [])
-        hidden = self.model.forward_hidden(step.input_ids, step.positions, step.meta, self.backend)
+        if graphs is not None and graphs.runs_prompts:
+            hidden = graphs.forward_hidden(step.input_ids, step.positions, step.meta)
+        else:
+            hidden = self.model.forward_hidden(step.input_ids, step.positions, step.meta, self.backend)
         # Sampling works in fp32 whatever the weights: a bf16 softmax over 49,152 entries loses the
         # small probabilities, and argmax over bf16 is several times slower on a CPU.
         logits = self.model.compute_logits(hidden[step.sample_rows]).float() if step.sampled_seqs else None

@@ -1,18 +1,18 @@
-/* A decode step of a whole Llama-family decoder in one C call, for the quantized weight formats.
+/* A step of a whole Llama-family decoder in one C call, for the quantized and packed dense formats.
  *
  * Why: at batch 1 a decode step multiplies ~100 MB of 4-bit weights, a few milliseconds at memory
  * speed, but the eager model issues ~45 small torch operations per layer (norms, rotary, views,
  * casts), each a few microseconds of Python and dispatch: 30 layers of that cost more than the
- * weights. This file runs the same layer (labkit/model/layers.py) for a few sequences that each add
- * one token: RMSNorm, the q/k/v projections, rotary (half-split pairs), the K/V rows stored into the
- * paged pool, paged decode attention (paged_decode.c), the output projection and residual, RMSNorm,
- * the SwiGLU MLP and residual. The residual stream stays float32 throughout (as llama.cpp's does);
- * the linears are int8_dot.c's for the quantized formats, or the packed GEMM of a dense float32
- * (gemm_f32.c) or bf16 (gemm_bf16.c, AMX) model, reached through a function pointer (those libraries
- * are built on their own, the AMX one with its own compiler flags). The
- * Python side (fused_decode.py) checks the model and every shape and lays the weights out; this
- * file trusts its arguments.
- */
+ * weights. This file runs the same layer (labkit/model/layers.py) for a batch of new tokens, each
+ * attending as a decode row over its own context in the pool (a decode's whole context, a prompt
+ * row's causal prefix): RMSNorm, the q/k/v projections, rotary (half-split pairs), the K/V rows
+ * stored into the paged pool, paged decode attention (paged_decode.c), the output projection and
+ * residual, RMSNorm, the SwiGLU MLP and residual. The residual stream stays float32 throughout (as
+ * llama.cpp's does); the linears are int8_dot.c's for the quantized formats, or the packed GEMM of a
+ * dense float32 (gemm_f32.c) or bf16 (gemm_bf16.c, AMX) model, reached through a function pointer
+ * (those libraries are built on their own, the AMX one with its own compiler flags). The Python side
+ * (fused_decode.py) checks the model and every shape, lays the weights out and owns the workspace;
+ * this file trusts its arguments. */
 #include "int8_dot.c"
 #include "../attention/paged_decode.c"
 
@@ -49,13 +49,15 @@ typedef struct {
     gemm_bf16_fn *gemm_bf16; /* for BF16_PACKED linears; NULL when there are none */
 } Shape;
 
-static int project(const Shape *s, const Linear *L, const float *x, int64_t M, float *y) {
+/* y [M, L->N] = the rows x [M, L->n] times a linear. A bf16 linear (BF16_PACKED) reads `xb`, the same
+ * rows already rounded to bf16, as the eager bf16 model's activations are; the others read x. */
+static int project(const Shape *s, const Linear *L, const float *x, const uint16_t *xb, int64_t M, float *y) {
     if (L->kind == F32_PACKED) {
         s->gemm_f32(x, L->n, (const float *)L->a, NULL, y, (int)M, (int)L->N, (int)L->n);
         return 0;
     }
-    if (L->kind == BF16_PACKED) /* x rounded to bf16 as the eager bf16 model's activations are */
-        return s->gemm_bf16(x, 1, L->n, (const uint16_t *)L->a, NULL, y, 1, M, L->N, L->K, L->n);
+    if (L->kind == BF16_PACKED)
+        return s->gemm_bf16(xb, 0, L->n, (const uint16_t *)L->a, NULL, y, 1, M, L->N, L->K, L->n);
     return linear((int)L->kind, L->a, L->b, L->c, L->N, L->K, L->n, x, 0, M, L->n, y);
 }
 
@@ -113,28 +115,39 @@ static void copy_in(const void *src, int64_t n, float *dst, int bf16) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
 }
 
-/* x [M, hidden] float32: the residual stream of M sequences' new tokens, updated in place through
- * every layer. cos, sin [M, head_dim/2]; slots [M]: where each new K/V row goes; block_tables
- * [M, max_blocks] and context_lens [M] (including the new token) as paged_decode.c takes them.
- * Returns 0, or -1 when a buffer could not be allocated. */
+/* The bytes of the activations a step of M rows needs (fused_decode_step's `work`): float32 h, q,
+ * k, v, att, gate, up, o, then bf16 rows of q and the attention's output (a bf16 pool's kernel reads
+ * and writes bf16) and the rounded inputs of bf16 linears (a step rounds each input once, not once
+ * per linear that reads it). */
+int64_t fused_decode_workspace(const Shape *s, int64_t M) {
+    int64_t H = s->hidden, QD = s->num_heads * s->head_dim, KD = s->num_kv_heads * s->head_dim, I = s->intermediate;
+    int64_t widest = H > I ? H : I;
+    return (int64_t)sizeof(float) * M * (2 * H + 2 * QD + 2 * KD + 2 * I) +
+           (int64_t)sizeof(uint16_t) * M * ((s->kv_bf16 ? 2 * QD : 0) + (s->gemm_bf16 ? widest : 0));
+}
+
+/* x [M, hidden] float32: the residual stream of M new tokens, updated in place through every layer.
+ * Each row attends as a decode row: cos, sin [M, head_dim/2]; slots [M]: where each new K/V row goes;
+ * block_tables [M, max_blocks] and context_lens [M] (including the new token) as paged_decode.c takes
+ * them (a prompt's rows share its table, each with its own causal length). `work`:
+ * fused_decode_workspace(s, M) bytes, 64-byte aligned. Returns 0, or -1 when a GEMM could not
+ * allocate its copy of the rows. */
 int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, int64_t M, float *x,
                       const float *cos, const float *sin, const int64_t *slots, const int32_t *block_tables,
-                      const int32_t *context_lens) {
+                      const int32_t *context_lens, void *work) {
     int64_t H = s->hidden, D = s->head_dim, QD = s->num_heads * D, KD = s->num_kv_heads * D, I = s->intermediate;
-    int64_t floats = M * (2 * H + 2 * QD + 2 * KD + 2 * I);
-    float *h = malloc(sizeof(float) * (size_t)floats);
-    uint16_t *half = s->kv_bf16 ? malloc(sizeof(uint16_t) * (size_t)(2 * M * QD)) : NULL;
-    if (!h || (s->kv_bf16 && !half)) {
-        free(h), free(half);
-        return -1;
-    }
-    float *q = h + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *gate = att + M * QD, *up = gate + M * I;
-    float *o = up + M * I;  /* M * H: the attention's or the MLP's output, added to the residual */
+    float *h = work, *q = h + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *gate = att + M * QD;
+    float *up = gate + M * I, *o = up + M * I;  /* o: M * H, the attention's or the MLP's output, added to x */
+    uint16_t *half = (uint16_t *)(o + M * H);  /* bf16 pool: q, then the attention's output */
+    uint16_t *rounded = half + (s->kv_bf16 ? 2 * M * QD : 0);  /* bf16 linears: their input, rounded once */
+    int bf16 = s->gemm_bf16 != NULL;
     int status = 0;
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const Layer *L = layers + l;
         rms_norm(x, L->input_norm, M, H, s->eps, h);
-        status |= project(s, &L->q, h, M, q) | project(s, &L->k, h, M, k) | project(s, &L->v, h, M, v);
+        if (bf16) copy_out(h, M * H, rounded, 1);
+        status |= project(s, &L->q, h, rounded, M, q) | project(s, &L->k, h, rounded, M, k) |
+                  project(s, &L->v, h, rounded, M, v);
         for (int64_t r = 0; r < M; r++) {
             rotate(q + r * QD, s->num_heads, D, cos + r * D / 2, sin + r * D / 2);
             rotate(k + r * KD, s->num_kv_heads, D, cos + r * D / 2, sin + r * D / 2);
@@ -153,20 +166,21 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
             paged_decode_attention_bf16(half, L->k_cache, L->v_cache, block_tables, context_lens, half + M * QD,
                                         (int)M, (int)s->num_heads, (int)s->num_kv_heads, (int)D,
                                         (int)s->block_size, (int)s->max_blocks, scale);
-            copy_in(half + M * QD, M * QD, att, 1);
+            if (!bf16) copy_in(half + M * QD, M * QD, att, 1);  /* a bf16 o_proj reads the bf16 rows as they are */
         } else {
             paged_decode_attention_f32(q, L->k_cache, L->v_cache, block_tables, context_lens, att, (int)M,
                                        (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
                                        (int)s->max_blocks, scale);
         }
-        status |= project(s, &L->o, att, M, o);
+        status |= project(s, &L->o, att, half + M * QD, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
         rms_norm(x, L->post_norm, M, H, s->eps, h);
-        status |= project(s, &L->gate, h, M, gate) | project(s, &L->up, h, M, up);
+        if (bf16) copy_out(h, M * H, rounded, 1);
+        status |= project(s, &L->gate, h, rounded, M, gate) | project(s, &L->up, h, rounded, M, up);
         swiglu(gate, up, M * I);
-        status |= project(s, &L->down, gate, M, o);
+        if (bf16) copy_out(gate, M * I, rounded, 1);
+        status |= project(s, &L->down, gate, rounded, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
     }
-    free(h), free(half);
     return status ? -1 : 0;
 }
