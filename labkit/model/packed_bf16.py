@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import native
+from labkit.model.packed_linear import PackedLinear
 
 SOURCE = Path(__file__).with_name("gemm_bf16.c")
 STEP = 32  # inputs per tile product: in_features is padded to a multiple of it
@@ -66,58 +67,30 @@ def gemm_kernel() -> str:
     return loaded.name if isinstance(loaded, _Kernel) else f"no AMX GEMM ({loaded})"
 
 
-class PackedBf16Linear(nn.Module):
+class PackedBf16Linear(PackedLinear):
     """y = x W^T + b in bf16 on the CPU (float32 sums), with W packed once into AMX's tile layout."""
 
+    dtype = torch.bfloat16
+
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach()
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            raise ValueError(f"PackedBf16Linear packs bfloat16 CPU weights, got {weight.dtype} on {weight.device}")
+        super().__init__(linear)
         self._kernel = kernel()
         if self._kernel is None:
             raise RuntimeError(f"the AMX bf16 GEMM is unavailable: {gemm_kernel()}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         width = self._kernel.panel_width
         panels, self.padded_in_features = -(-self.out_features // width), -(-self.in_features // STEP) * STEP
-        padded = F.pad(weight, (0, self.padded_in_features - self.in_features, 0, panels * width - self.out_features))
+        padded = F.pad(linear.weight.detach(),
+                       (0, self.padded_in_features - self.in_features, 0, panels * width - self.out_features))
         # [panels, steps, 2 tiles, 16 input pairs, 16 columns, 2]: output n = p*32 + t*16 + c, input
         # k = s*32 + 2*r + e, in the order gemm_bf16.c's tile loads read them
         tiles = padded.view(panels, 2, 16, self.padded_in_features // STEP, 16, 2).permute(0, 3, 1, 4, 2, 5)
         self.register_buffer("packed", tiles.contiguous())
-        self.bias = linear.bias
-        self.register_buffer("_float_bias", None if linear.bias is None else linear.bias.detach().float(),
+        self.register_buffer("_kernel_bias", None if linear.bias is None else linear.bias.detach().float(),
                              persistent=False)
         self._bind()
 
-    def _bind(self) -> None:
-        """The call and the buffers' addresses in plain attributes: nn.Module's lookups cost as much as
-        the C call at decode sizes."""
-        bias = self._float_bias
-        self._call = (self._kernel.gemm, self.packed.data_ptr(), None if bias is None else bias.data_ptr())
-
-    def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)  # .to(), .float(), ...: the buffers may have moved
-        if self.packed.dtype != torch.bfloat16 or self.packed.device.type != "cpu":
-            raise ValueError(f"PackedBf16Linear holds bfloat16 CPU weights: it cannot become {self.packed.dtype} "
-                             f"on {self.packed.device}")
-        self._bind()
-        return module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"PackedBf16Linear({self.in_features} -> {self.out_features}) takes bfloat16 CPU "
-                             f"inputs [..., {self.in_features}], got {x.dtype} {tuple(x.shape)} on {x.device}")
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if rows.shape[0]:
-            gemm, packed, bias = self._call
-            if gemm(rows.data_ptr(), 0, rows.stride(0), packed, bias, y.data_ptr(), 0, rows.shape[0],
-                    self.out_features, self.padded_in_features, self.in_features):
-                raise MemoryError("the AMX GEMM could not allocate its copy of the input rows")
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def _multiply(self, rows: torch.Tensor, y: torch.Tensor) -> None:
+        gemm, packed, bias = self._call
+        if gemm(rows.data_ptr(), 0, rows.stride(0), packed, bias, y.data_ptr(), 0, rows.shape[0], self.out_features,
+                self.padded_in_features, self.in_features):
+            raise MemoryError("the AMX GEMM could not allocate its copy of the input rows")

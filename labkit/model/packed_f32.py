@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import native
+from labkit.model.packed_linear import PackedLinear
 
 SOURCE = Path(__file__).with_name("gemm_f32.c")
 
@@ -52,59 +53,29 @@ def gemm_kernel() -> str:
     return loaded.name if serves_this_cpu() else f"torch default GEMM float32 ({loaded.name} is untuned here)"
 
 
-class PackedF32Linear(nn.Module):
+class PackedF32Linear(PackedLinear):
     """y = x W^T + b in float32 on the CPU, with W packed once into the C kernel's column panels."""
 
+    dtype = torch.float32
+
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach()
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"PackedF32Linear packs float32 CPU weights, got {weight.dtype} on {weight.device}")
+        super().__init__(linear)
         self._kernel = kernel()
         if self._kernel is None:
             raise RuntimeError(f"the packed fp32 GEMM is unavailable: {gemm_kernel()}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         width = self._kernel.panel_width
         panels = -(-self.out_features // width)
-        padded = F.pad(weight, (0, 0, 0, panels * width - self.out_features))  # zero columns past out_features
+        padded = F.pad(linear.weight.detach(), (0, 0, 0, panels * width - self.out_features))  # zero columns past out
         # [panels, in, width]: panel p holds outputs p*width.. one input feature after another
         self.register_buffer("packed", padded.view(panels, width, self.in_features).transpose(1, 2).contiguous())
-        self.bias = linear.bias
-        self.register_buffer("_padded_bias", None if linear.bias is None else
+        self.register_buffer("_kernel_bias", None if linear.bias is None else
                              F.pad(linear.bias.detach(), (0, panels * width - self.out_features)), persistent=False)
         self._bind()
 
-    def _bind(self) -> None:
-        """Keep the kernel's call and the packed tensors' addresses in plain attributes: a decode step
-        calls every linear with a few rows, where nn.Module's attribute lookups cost as much as the C call."""
-        bias = self._padded_bias
-        self._call = (self._kernel.gemm, self.packed.data_ptr(), None if bias is None else bias.data_ptr())
-
-    def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)  # .to(), .float(), ...: the buffers may have moved
-        if self.packed.dtype != torch.float32 or self.packed.device.type != "cpu":
-            raise ValueError(f"PackedF32Linear holds float32 CPU weights: it cannot become {self.packed.dtype} "
-                             f"on {self.packed.device}")
-        self._bind()
-        return module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or not x.is_cpu or x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"PackedF32Linear({self.in_features} -> {self.out_features}) takes float32 CPU "
-                             f"inputs [..., {self.in_features}], got {x.dtype} {tuple(x.shape)} on {x.device}")
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        count = rows.shape[0]
-        y = torch.empty(count, self.out_features)
-        if count:
-            gemm, packed, bias = self._call
-            gemm(rows.data_ptr(), rows.stride(0), packed, bias, y.data_ptr(), count, self.out_features,
-                 self.in_features)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def _multiply(self, rows: torch.Tensor, y: torch.Tensor) -> None:
+        gemm, packed, bias = self._call
+        gemm(rows.data_ptr(), rows.stride(0), packed, bias, y.data_ptr(), rows.shape[0], self.out_features,
+             self.in_features)
 
 
 def serves_this_cpu() -> bool:
