@@ -89,6 +89,15 @@ def _flat_to_padded_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch
     return seq_index, pos
 
 
+def rows_as_decode_rows(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                        block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row of a flat batch as a decode row: (its sequence's block table [T, M], the length
+    of its causal prefix [T]). Query j of a sequence with Lq new tokens and Lk keys sits at position
+    Lk - Lq + j and sees Lk - Lq + j + 1 keys, all in the pool once the step's K/V are stored."""
+    seq_index, pos = _flat_to_padded_index(cu_seqlens_q)
+    return block_tables[seq_index], (cu_seqlens_k.diff() - cu_seqlens_q.diff())[seq_index] + pos + 1
+
+
 class _PaddedGroup:
     """Sequences attended together as one padded [B, Lq] x [B, Lk] batch."""
 
@@ -172,9 +181,8 @@ class PagedAttentionPlan:
             # pool through its sequence's block table (the step's new K/V are already stored there):
             # causal attention with no padding and no mask. (A decode-only step is that already, below.)
             self.reads_cache = True
-            seq_index, pos = _flat_to_padded_index(cu_seqlens_q)
-            context = (k_lens - q_lens)[seq_index] + pos + 1
-            self.groups = [decode_group(block_tables[seq_index], context, block_size, None)]
+            self.groups = [decode_group(*rows_as_decode_rows(cu_seqlens_q, cu_seqlens_k, block_tables), block_size,
+                                        None)]
             return
         # A batch with no cached prefix can attend over the new tokens' own K/V: no gather needed.
         self.reads_cache = block_tables is not None and (always_read_cache or not only_new_tokens)

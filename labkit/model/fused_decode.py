@@ -1,5 +1,5 @@
-"""Decode steps on the CPU in one C call (`fused_decode.c`): a quantized model's small batches, and a
-dense float32 or (on AMX CPUs) bf16 model's batches of any size.
+"""Steps on the CPU in one C call (`fused_decode.c`): a quantized model's small decode batches, and a
+dense float32 or (on AMX CPUs) bf16 model's steps of any size, prompts included.
 
 At batch 1 the eager model spends more time issuing its ~45 small torch operations per layer than
 multiplying its 4-bit weights, and a float32 model's batched decode steps lose a good part of their
@@ -27,7 +27,7 @@ import torch
 from labkit import native
 from labkit.attention import cpu_decode
 from labkit.attention.metadata import AttentionMetadata
-from labkit.attention.reference import _flat_to_padded_index
+from labkit.attention.reference import rows_as_decode_rows
 from labkit.model import int8_dot, packed_bf16, packed_f32
 from labkit.model.layers import rope_cos_sin, rope_inv_freq
 from labkit.model.packed_bf16 import PackedBf16Linear
@@ -106,8 +106,8 @@ def _weights_kind(model) -> str | None:
 
 
 class FusedDecoder:
-    """A model's decode steps, each sequence adding one token, in one C call (a quantized model: up to
-    MAX_ROWS sequences)."""
+    """A model's steps in one C call: decode steps (`run`; a quantized model: up to MAX_ROWS sequences)
+    and, for a dense model, any step (`forward_hidden`)."""
 
     @staticmethod
     def unsupported(model, storage) -> str | None:
@@ -182,11 +182,7 @@ class FusedDecoder:
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be "
                              "one flat batch")
-        tables, context = meta.block_tables, meta.context_lens
-        if meta.max_seqlen_q != 1:
-            q_lens, k_lens = meta.cu_seqlens_q.diff(), meta.cu_seqlens_k.diff()
-            seq_index, pos = _flat_to_padded_index(meta.cu_seqlens_q)
-            tables, context = tables[seq_index], (k_lens - q_lens)[seq_index] + pos + 1
+        tables, context = rows_as_decode_rows(meta.cu_seqlens_q, meta.cu_seqlens_k, meta.block_tables)
         x = self._layers_in_c(input_ids, positions, tables, context, meta.slot_mapping)
         return self.model.norm(x.to(self._head_dtype))
 
