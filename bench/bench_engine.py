@@ -101,9 +101,9 @@ def prefix_ttft(llm: LLM) -> float:
 def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 15) -> float:
     """The best FLOP/s this machine reaches on the model's weight shapes [rows, in] x [in, out], over
     torch's default GEMM and the engine's own where it has one: oneDNN's prepacked bf16 (CPUs with
-    native bf16), the packed C bf16 GEMM (AMX) and the packed C fp32 GEMM (AVX-512). Best of
-    `repeats`: a call of AMX's oneDNN bf16 GEMM took either ~0.28 or ~0.6 ms here, and best-of-5
-    missed the fast one about half the time."""
+    native bf16), the packed C bf16 GEMM (AMX or AVX512-BF16) and the packed C fp32 GEMM (AVX-512).
+    Best of `repeats`: a call of AMX's oneDNN bf16 GEMM took either ~0.28 or ~0.6 ms here, and
+    best-of-5 missed the fast one about half the time."""
     c = config
     shapes = {(c.hidden_size, c.num_heads * c.head_dim), (c.hidden_size, c.num_kv_heads * c.head_dim),
               (c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size),

@@ -20,7 +20,8 @@ def fresh_build(monkeypatch, tmp_path):
     from labkit.attention import cpu_decode
     from labkit.model import fused_decode, int8_dot, packed_bf16, packed_f32
 
-    loaders = (cpu_decode._load, int8_dot._load, packed_f32._load, packed_bf16._load, packed_bf16._build,
+    loaders = (cpu_decode._load, int8_dot._load, packed_f32._load, packed_bf16._load, packed_bf16._build_amx,
+               packed_bf16._build_avx512,
                fused_decode._load)
     monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
     for load in loaders:

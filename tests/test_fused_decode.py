@@ -79,7 +79,7 @@ def test_the_engine_decodes_small_batches_fused_and_larger_ones_eagerly(engine):
 
 def dense_engine(dtype: torch.dtype) -> LLM:
     """The engine's own dense model in `dtype`, its linears packed for a C GEMM (float32: AVX-512; bf16:
-    AMX) where this CPU has that kernel; skips the test where it does not."""
+    AMX or AVX512-BF16) where this CPU has that kernel; skips the test where it does not."""
     llm = LLM("smollm2", device="cpu", dtype=dtype, max_num_seqs=16)
     if not isinstance(llm.runner.decode_graphs, FusedDecoder):
         pytest.skip(f"no fused decode here: {FusedDecoder.unsupported(llm.model, llm.storage)}")
@@ -166,7 +166,7 @@ def bfloat16_engine():
 
 def test_a_bfloat16_models_fused_steps_are_as_close_to_the_fp32_model_as_its_eager_steps(bfloat16_engine):
     """The eager bf16 step rounds its residual stream to bf16 after every layer, the fused one keeps it
-    in float32 and rounds only the linears' inputs (the AMX GEMM's bf16 operands): neither equals the
+    in float32 and rounds only the linears' inputs (the bf16 GEMM's operands): neither equals the
     other. What must hold, for every sequence of a batch larger than the quantized limit, over its
     prompt step and its decode steps: the fused step is no further than the eager one from the float32
     model on the same tokens, and it picks the float32 model's token wherever that choice is clear."""

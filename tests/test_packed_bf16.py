@@ -1,6 +1,8 @@
-"""The AMX bf16 GEMM (labkit.model.packed_bf16) against float32 products of the same bf16 numbers, its
-float32-in/float32-out entry (the fused decode step's), its fallback on CPUs without AMX, and its
-refusal of bad input."""
+"""The packed bf16 GEMM (labkit.model.packed_bf16), in each build this CPU runs (AMX, AVX512-BF16),
+against float64 products of the same bf16 numbers; its float32-in/float32-out entry (the fused decode
+step's), its fallback on CPUs with neither extension, and its refusal of bad input."""
+
+import re
 
 import pytest
 import torch
@@ -15,10 +17,24 @@ from labkit.model.weight_formats import PrepackedLinear, apply_weight_format, li
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # (in, out): q/o, k/v, gate/up, down
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    if packed_bf16.kernel() is None:
-        pytest.skip(f"no AMX kernel here: {packed_bf16.gemm_kernel()}")
+EXTENSION_FLAGS = {"AMX-BF16": {"amx_tile", "amx_bf16"}, "AVX512-BF16": {"avx512_bf16"}}
+
+
+@pytest.fixture(scope="module", params=list(EXTENSION_FLAGS))
+def compiled(request):
+    """The kernel built for one extension: a CPU with AMX also runs the AVX512-BF16 build, which these
+    tests reach by hiding AMX's flags from the loader."""
+    flags = native.x86_flags()
+    if not EXTENSION_FLAGS[request.param] <= flags:
+        pytest.skip(f"this CPU has no {request.param}")
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param != "AMX-BF16":
+            patch.setattr(native, "x86_flags", lambda: flags - EXTENSION_FLAGS["AMX-BF16"])
+        packed_bf16._load.cache_clear()
+        if packed_bf16.kernel() is None:
+            pytest.skip(f"no packed bf16 GEMM here: {packed_bf16.gemm_kernel()}")
+        yield request.param
+    packed_bf16._load.cache_clear()
 
 
 def linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -67,7 +83,7 @@ def test_float32_rows_in_and_out_as_the_fused_step_calls_it(compiled):
                        packed.padded_in_features, 200) == 0
     expected = F.linear(x.to(torch.bfloat16).double(), layer.weight.double()).float()
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    assert linear_kernel("dequantized", torch.bfloat16).startswith("C/AMX-BF16 packed bf16 GEMM")
+    assert linear_kernel("dequantized", torch.bfloat16).startswith(f"C/{compiled} packed bf16 GEMM")
 
 
 def test_any_leading_shape_strides_and_no_rows(compiled):
@@ -103,12 +119,13 @@ def test_bad_input_is_refused_with_the_reason(compiled):
         packed.float()
 
 
-def test_without_amx_a_bf16_model_keeps_onednn_or_torch_and_says_why(monkeypatch, fresh_build):
-    monkeypatch.setattr(native, "x86_flags", lambda: {"avx512f", "avx512_bf16"})
-    assert packed_bf16.gemm_kernel() == "no AMX GEMM (the CPU has no AMX-BF16)"
-    with pytest.raises(RuntimeError, match=r"unavailable: no AMX GEMM \(the CPU has no AMX-BF16\)"):
+def test_without_a_bf16_extension_a_bf16_model_keeps_onednn_or_torch_and_says_why(monkeypatch, fresh_build):
+    monkeypatch.setattr(native, "x86_flags", lambda: {"avx512f", "avx2"})
+    why = "no packed bf16 GEMM (the CPU has neither AMX-BF16 nor AVX512-BF16)"
+    assert packed_bf16.gemm_kernel() == why
+    with pytest.raises(RuntimeError, match=rf"unavailable: {re.escape(why)}"):
         PackedBf16Linear(linear(8, 8))
-    assert "AMX" not in linear_kernel("dequantized", torch.bfloat16)
+    assert "packed bf16" not in linear_kernel("dequantized", torch.bfloat16)
     model = nn.Sequential(linear(8, 8))
     model.dtype, model.device = torch.bfloat16, torch.device("cpu")
     apply_weight_format(model, "dequantized", prepack=True)
@@ -118,5 +135,5 @@ def test_without_amx_a_bf16_model_keeps_onednn_or_torch_and_says_why(monkeypatch
 
 def test_a_build_that_fails_is_named(compiled, monkeypatch, fresh_build):
     monkeypatch.setattr(native, "find_c_compiler", lambda: None)
-    assert packed_bf16.gemm_kernel() == "no AMX GEMM (no C compiler)"
+    assert packed_bf16.gemm_kernel() == "no packed bf16 GEMM (no C compiler)"
 

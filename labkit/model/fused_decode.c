@@ -9,14 +9,14 @@
  * stored into the paged pool, paged decode attention (paged_decode.c), the output projection and
  * residual, RMSNorm, the SwiGLU MLP and residual. The residual stream stays float32 throughout (as
  * llama.cpp's does); the linears are int8_dot.c's for the quantized formats, or the packed GEMM of a
- * dense float32 (gemm_f32.c) or bf16 (gemm_bf16.c, AMX) model, reached through a function pointer
- * (those libraries are built on their own, the AMX one with its own compiler flags). The Python side
- * (fused_decode.py) checks the model and every shape, lays the weights out and owns the workspace;
- * this file trusts its arguments. */
+ * dense float32 (gemm_f32.c) or bf16 (gemm_bf16.c, AMX or AVX512-BF16) model, reached through a
+ * function pointer (those libraries are built on their own, the bf16 one with its own compiler
+ * flags). The Python side (fused_decode.py) checks the model and every shape, lays the weights out
+ * and owns the workspace; this file trusts its arguments. */
 #include "int8_dot.c"
 #include "../attention/paged_decode.c"
 
-/* Linear kinds beside int8_dot.c's Q4_1 and INT8: gemm_f32.c's panels, or gemm_bf16.c's AMX tiles, in `a` */
+/* Linear kinds beside int8_dot.c's Q4_1 and INT8: gemm_f32.c's panels, or gemm_bf16.c's tile-layout panels, in `a` */
 #define F32_PACKED 2
 #define BF16_PACKED 3
 

@@ -1,5 +1,5 @@
 """Steps on the CPU in one C call (`fused_decode.c`): a quantized model's small decode batches, and a
-dense float32 or (on AMX CPUs) bf16 model's steps of any size, prompts included.
+dense float32 or (on AMX or AVX512-BF16 CPUs) bf16 model's steps of any size, prompts included.
 
 At batch 1 the eager model spends more time issuing its ~45 small torch operations per layer than
 multiplying its 4-bit weights, and a float32 model's batched decode steps lose a good part of their
@@ -8,7 +8,7 @@ runs a decode-only step through every layer in C instead: the same maths as `lay
 residual stream in float32, and the linears the model already multiplies with: `int8_dot.c`'s for
 the quantized formats (up to `MAX_ROWS` sequences; larger batches multiply faster as dense GEMMs),
 or `gemm_f32.c`'s packed GEMM (`PackedF32Linear`), the same kernel and order of sums as the eager
-step, or `gemm_bf16.c`'s AMX GEMM (`PackedBf16Linear`: the eager bf16 step's kernel too, its inputs
+step, or `gemm_bf16.c`'s bf16 GEMM (`PackedBf16Linear`: the eager bf16 step's kernel too, its inputs
 rounded to bf16 as the eager step's are, its residual kept in float32 as the others' is). It plugs
 into the engine where CUDA graphs do (`fits`, `run`: `ModelRunner.forward` replays a decode step
 through it). A dense model's fused step also runs prompt and mixed steps (`forward_hidden`), each

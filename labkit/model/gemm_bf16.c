@@ -1,15 +1,18 @@
-/* y = x W^T + b with bf16 weights on one CPU core's AMX tile unit (Intel Sapphire Rapids and later).
+/* y = x W^T + b with bf16 weights on one CPU core: on AMX's tile unit (Intel Sapphire Rapids and
+ * later), or with AVX512-BF16's pair dot products (AMD Zen 4 and later, Intel Cooper Lake).
  *
- * Why: oneDNN's bf16 GEMM reaches AMX's rate on a prefill's thousands of rows, but a decode step
- * multiplies a few dozen rows by each weight, where each oneDNN call spends ~30-100 us around its
- * arithmetic (measured at 40 rows: ~500 of the ~1,200 GFLOP/s it reaches at 512), and it cannot be
- * called from C, so a bf16 model could not decode in one C call (fused_decode.c) as the fp32 and
+ * Why: oneDNN's bf16 GEMM reaches the hardware's rate on a prefill's thousands of rows, but a decode
+ * step multiplies a few dozen rows by each weight, where each oneDNN call spends ~30-100 us around its
+ * arithmetic (measured on AMX at 40 rows: ~500 of the ~1,200 GFLOP/s it reaches at 512), and it cannot
+ * be called from C, so a bf16 model could not decode in one C call (fused_decode.c) as the fp32 and
  * quantized ones do. This kernel keeps the weight in AMX's own operand layout, packed once at load,
- * so a call only streams it through the tiles.
+ * so a call only streams it through the multiply units. The same file builds for either extension
+ * (the build passes -mamx-bf16 or -mavx512bf16); the packed layout is the same for both.
  *
- * AMX in brief: eight tile registers of up to 16 rows x 64 bytes. `tdpbf16ps C, A, B` adds to C
- * (16 x 16 float32) the product of A (16 rows x 32 bf16 of x) and B (32 bf16 of k x 16 columns,
- * stored as 16 rows of 16 (k, k+1) pairs: the "VNNI" layout). Every product of two bf16 is exact in
+ * Both multiply bf16 pairs: AMX's `tdpbf16ps C, A, B` adds to C (16 x 16 float32) the product of A
+ * (16 rows x 32 bf16 of x) and B (32 bf16 of k x 16 columns, stored as 16 rows of 16 (k, k+1) pairs:
+ * the "VNNI" layout); AVX512-BF16's `vdpbf16ps` adds to 16 float32 lanes the dot products of a (k,
+ * k+1) pair of x, broadcast, with one row of such a B tile. Every product of two bf16 is exact in
  * float32 and the sums are float32, as in oneDNN's and torch's bf16 GEMMs.
  *
  * Layouts (element offsets; K = in_features padded to a multiple of 32 with zero weights):
@@ -21,12 +24,8 @@
  *   bias    [n] float32 or NULL
  *   y       [m, n] contiguous, float32 or bf16
  *
- * Tiles: 0-3 accumulate a 32 x 32 block of y, 4-5 hold two 16-row slices of x, 6-7 a panel's two B
- * tiles; per step of 32 inputs, four loads feed four tile products. Rows are taken in slices that
- * stay in L2 (SLICE_ROWS), each slice running over every panel.
- *
- * Linux hands out the tile state per process on request (gemm_bf16_init). Single-threaded, like the
- * engine; the caller (labkit/model/packed_bf16.py) checks shapes and dtypes, this file trusts them.
+ * Single-threaded, like the engine; the caller (labkit/model/packed_bf16.py) checks shapes and
+ * dtypes, this file trusts them.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -38,19 +37,6 @@
 #define STEP 32        /* inputs per tile product: 64 bytes of bf16 */
 #define PANEL 32       /* output columns per weight panel: two B tiles of 16 */
 #define TILE_VALUES (16 * STEP)
-#define SLICE_ROWS 256 /* rows of x per slice: 768 KiB at 1,536 inputs, beside a panel in a 2 MiB L2 */
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Ask Linux for the AMX tile state (once per process; oneDNN asks the same). 0 on success. */
-int gemm_bf16_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
 int gemm_bf16_panel_width(void) { return PANEL; }
 
@@ -87,6 +73,26 @@ static void copy_rows(const void *x, int x_f32, int64_t ldx, int64_t count, int6
         memset(row + used, 0, sizeof(uint16_t) * (size_t)(K - used));
     }
 }
+
+
+#ifdef __AMX_BF16__
+/* AMX. Tiles: 0-3 accumulate a 32 x 32 block of y, 4-5 hold two 16-row slices of x, 6-7 a panel's two B
+ * tiles; per step of 32 inputs, four loads feed four tile products. Rows are taken in slices that
+ * stay in L2 (SLICE_ROWS), each slice running over every panel. Linux hands out the tile state per
+ * process on request (gemm_bf16_init). */
+#define SLICE_ROWS 256 /* rows of x per slice: 768 KiB at 1,536 inputs, beside a panel in a 2 MiB L2 */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Ask Linux for the AMX tile state (once per process; oneDNN asks the same). 0 on success. */
+int gemm_bf16_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
 /* One 16- or 32-row block of y times panel `b` over K inputs into acc [32][PANEL] float32. `next`:
  * the panel to prefetch meanwhile (NULL: none), a step's share of it per step: the tile loads alone
@@ -199,3 +205,138 @@ int gemm_bf16(const void *x, int x_f32, int64_t ldx, const uint16_t *packed, con
     free(scratch);
     return 0;
 }
+#else
+/* AVX512-BF16. A tile of y, mr rows x np panels (2 vectors of 16 columns each), stays in vector
+ * registers over all of K: per (k, k+1) pair it loads np*2 rows of B tiles, broadcasts each row's
+ * pair of x, and issues mr*np*2 `vdpbf16ps`. Blocks of MR rows take 2 panels (24 accumulators of 32
+ * registers); fewer rows take more panels, so that even one row has 8 independent sums to hide the
+ * instruction's latency. Rows are taken in slices that stay in L2 beside a panel group, and every row
+ * block of a slice runs over a group before the next group starts, so each panel comes from memory
+ * once per slice; the next group is prefetched a little per pair meanwhile. */
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 32") /* every loop over a tile's registers: acc must stay in registers */
+#define MR 6
+#define PANELS(mr) ((mr) <= 2 ? 4 : (mr) == 3 ? 3 : 2)
+#define SLICE_BYTES (256 * 1024) /* a slice of x's rows: a quarter of a 1 MiB L2 */
+#define GROUP_BYTES (192 * 1024) /* a panel group's weight, fetched into L2 while the previous computes */
+
+/* Needs no state from Linux: nothing to ask. */
+int gemm_bf16_init(void) { return 0; }
+
+typedef struct {
+    const char *next, *end;
+    int lines_per_pair;
+} ahead_t;
+
+/* y[0:mr, cols] (+ bias) = rows a (stride lda, bf16) times np panels from b (panel_stride apart). */
+INLINE void tile(const int mr, const int np, __m512 *acc, const uint16_t *a, int64_t lda, const uint16_t *b,
+                 int64_t panel_stride, int64_t K, const float *bias, void *y, int y_f32, int64_t ldy, int cols,
+                 ahead_t *ahead) {
+    const char *fetch = ahead->next;
+    const int lines = ahead->lines_per_pair;
+    UNROLL for (int j = 0; j < mr * np * 2; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < K / STEP; s++) {
+        const uint16_t *step = b + s * 2 * TILE_VALUES;
+        for (int pair = 0; pair < STEP / 2; pair++) {
+            if (fetch < ahead->end) {
+                for (int l = 0; l < lines; l++) _mm_prefetch(fetch + 64 * l, _MM_HINT_T1);
+                fetch += 64 * lines;
+            }
+            __m512bh bv[8];
+            UNROLL for (int j = 0; j < np * 2; j++)
+                bv[j] = (__m512bh)_mm512_loadu_si512(step + (j / 2) * panel_stride + (j % 2) * TILE_VALUES + pair * 32);
+            const int64_t kk = s * STEP + 2 * pair;
+            UNROLL for (int i = 0; i < mr; i++) {
+                int32_t two;
+                memcpy(&two, a + i * lda + kk, sizeof two);
+                const __m512bh ai = (__m512bh)_mm512_set1_epi32(two);
+                UNROLL for (int j = 0; j < np * 2; j++) acc[i * np * 2 + j] = _mm512_dpbf16_ps(acc[i * np * 2 + j], ai, bv[j]);
+            }
+        }
+    }
+    ahead->next = fetch;
+    UNROLL for (int j = 0; j < np * 2; j++) {
+        const int left = cols - j * 16;
+        if (left <= 0) break;
+        const __mmask16 mask = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
+        UNROLL for (int i = 0; i < mr; i++) {
+            const __m512 v = _mm512_add_ps(acc[i * np * 2 + j], add);
+            if (y_f32)
+                _mm512_mask_storeu_ps((float *)y + i * ldy + j * 16, mask, v);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)y + i * ldy + j * 16, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+typedef void tile_fn(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t panel_stride, int64_t K,
+                     const float *bias, void *y, int y_f32, int64_t ldy, int cols, ahead_t *ahead);
+
+/* One tile size as its own function, with its accumulators in an array of constant size. */
+#define TILE(r, p)                                                                                           \
+    static void tile_##r##_##p(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t panel_stride, int64_t K, \
+                               const float *bias, void *y, int y_f32, int64_t ldy, int cols, ahead_t *ahead) {  \
+        __m512 acc[r * p * 2];                                                                               \
+        tile(r, p, acc, a, lda, b, panel_stride, K, bias, y, y_f32, ldy, cols, ahead);                       \
+    }
+TILE(1, 4) TILE(2, 4) TILE(3, 3) TILE(4, 2) TILE(5, 2) TILE(6, 2)
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
+/* `wide` takes PANELS(mr) panels at once, `narrow` one (a group's rest) */
+static tile_fn *const wide[MR + 1] = {0, tile_1_4, tile_2_4, tile_3_3, tile_4_2, tile_5_2, tile_6_2};
+static tile_fn *const narrow[MR + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
+
+/* y [m, n] = x [m, used] W^T + bias, W packed as above with K (a multiple of 32) >= used inputs.
+ * Returns 0, or -1 when a buffer could not be allocated. */
+int gemm_bf16(const void *x, int x_f32, int64_t ldx, const uint16_t *packed, const float *bias, void *y,
+              int y_f32, int64_t m, int64_t n, int64_t K, int64_t used) {
+    /* x is read in place when its rows are bf16 without padding; otherwise (float32 rows, or inputs
+     * padded to K) it is first copied into bf16 rows of K */
+    uint16_t *scratch = NULL;
+    if (x_f32 || used != K) {
+        scratch = aligned_alloc(64, sizeof(uint16_t) * (size_t)(m * K) + 64);
+        if (!scratch) return -1;
+        copy_rows(x, x_f32, ldx, m, used, K, scratch);
+        x = scratch, ldx = K;
+    }
+    const uint16_t *rows_of_x = x;
+    const int64_t panels = (n + PANEL - 1) / PANEL, panel_stride = K * PANEL;
+    int64_t slice = SLICE_BYTES / (2 * K) / MR * MR;
+    if (slice < MR) slice = MR;
+    for (int64_t r0 = 0; r0 < m; r0 += slice) {
+        const int64_t rows = m - r0 < slice ? m - r0 : slice;
+        const int first = rows < MR ? (int)rows : MR;
+        int64_t per_group = GROUP_BYTES / (panel_stride * 2) / PANELS(first) * PANELS(first);  /* whole tiles */
+        if (per_group < PANELS(first)) per_group = PANELS(first);
+        for (int64_t p = 0; p < panels; p += per_group) {
+            const int64_t group = panels - p < per_group ? panels - p : per_group;
+            const int64_t after = panels - p - group < per_group ? panels - p - group : per_group;
+            int64_t count = 0;  /* tiles this group takes, for the prefetch's pace */
+            for (int64_t b = 0; b < rows; b += MR) {
+                const int mr = rows - b < MR ? (int)(rows - b) : MR;
+                count += group / PANELS(mr) + group % PANELS(mr);
+            }
+            const int64_t lines = after * panel_stride * 2 / 64, pairs = count * (K / 2);
+            ahead_t ahead = {(const char *)(packed + (p + group) * panel_stride), NULL,
+                             pairs ? (int)((lines + pairs - 1) / pairs) : 0};
+            ahead.end = ahead.next + 64 * lines;
+            for (int64_t b = 0; b < rows; b += MR) {
+                const int mr = rows - b < MR ? (int)(rows - b) : MR, np = PANELS(mr);
+                const uint16_t *a = rows_of_x + (r0 + b) * ldx;
+                for (int64_t q = 0; q < group;) {
+                    const int take = q + np <= group ? np : 1;
+                    const int64_t col = (p + q) * PANEL, cols = n - col < take * PANEL ? n - col : take * PANEL;
+                    (take == np ? wide : narrow)[mr](a, ldx, packed + (p + q) * panel_stride, panel_stride, K,
+                                                     bias ? bias + col : NULL,
+                                                     y_f32 ? (void *)((float *)y + (r0 + b) * n + col)
+                                                           : (void *)((uint16_t *)y + (r0 + b) * n + col),
+                                                     y_f32, n, (int)cols, &ahead);
+                    q += take;
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+#endif

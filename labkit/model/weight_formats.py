@@ -2,10 +2,11 @@
 
 Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., weight_format=...)`:
 
-- "dequantized": float weights in the model's dtype. In bf16 on a CPU with AMX the engine packs each
-  weight once into AMX's tile layout for a small C GEMM (`packed_bf16.py`, which a fused C decode step
-  can call); on one with AVX512-BF16 only it reorders each weight once into oneDNN's blocked layout
-  ("prepacked"), so a call multiplies at once instead of re-laying the weight out every time; in
+- "dequantized": float weights in the model's dtype. In bf16 on a CPU with AMX or AVX512-BF16 the
+  engine packs each weight once into AMX's tile layout for a small C GEMM (`packed_bf16.py`, which a
+  fused C decode step can call); where that kernel does not build, it reorders each weight once into
+  oneDNN's blocked layout ("prepacked"), so a call multiplies at once instead of re-laying the weight
+  out every time; in
   fp32 the engine packs each weight once for a small C GEMM (`packed_f32.py`) on AVX-512 CPUs, where
   it measured faster than torch's. The labs see plain `nn.Linear`s (load_model's prepack=False).
 - "int8": weight-only int8, one symmetric scale per output row (scale = max|w| / 127). A quarter of
