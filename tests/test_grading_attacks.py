@@ -279,10 +279,10 @@ def test_deleting_a_file_outside_the_students_folder_fails(attacked):
 
 
 def _tamper(klass: Path) -> None:
-    always_pass = "\\n\\n@exercise('00', 'softmax')\\ndef softmax(ns):\\n    return 'forged'\\n"
+    always_pass = '\n\n@exercise("00", "softmax")\ndef softmax(ns):\n    return "forged"\n'
     _notebook(klass / "tamperer", "00_setup.ipynb", "import torch", WRONG,
               f"import labkit.grading.labs.lab00 as lab00\nwith open(lab00.__file__, 'a') as f:\n"
-              f"    f.write('{always_pass}')")
+              f"    f.write({always_pass!r})")
     _notebook(klass / "later", "00_setup.ipynb", "import torch", WRONG)
 
 
