@@ -172,11 +172,14 @@ INLINE int64_t next_block(const int32_t *block_tables, const int32_t *context_le
     return (int64_t)block_tables[(int64_t)s * max_blocks + b] * block_size * row;
 }
 
-/* Ask for one token's row (all KV heads) at element offset `at` of a pool. */
+/* Ask for one token's row (all KV heads) at element offset `at` of a pool, into L2 (prefetcht1): the
+ * rows come from memory, since a step's weights have swept the caches since the last layer, and a
+ * core has more outstanding misses to L2 than to L1. Measured on AMD Zen 4 with 30 layers' pools cold:
+ * 7.4 GB/s of K and V read with prefetcht0, 10-11 with prefetcht1, no change with the pools in cache. */
 INLINE void prefetch_row(const void *pool, int64_t at, int64_t row, int bf16) {
     const int64_t size = bf16 ? 2 : 4;
     for (int64_t line = 0; line < row * size; line += 64)
-        __builtin_prefetch((const char *)pool + at * size + line);
+        __builtin_prefetch((const char *)pool + at * size + line, 0, 2);
 }
 
 INLINE void decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
