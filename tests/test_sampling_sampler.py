@@ -16,6 +16,7 @@ from labkit.sampling import (
     greedy_tokens,
     token_counts,
 )
+from labkit.sampling.sampler import gumbel_max, hash32, seeded_uniforms
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])  # 8 tokens, a spread of probabilities
 
@@ -114,6 +115,26 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
             together.append(run_batch(requests, histories, rows)[position].item())
         assert together == alone, f"row {position} of {company + 1} drew differently"
     assert len(set(alone)) > 3  # it really samples: not the same token every step
+
+
+def test_a_draw_over_the_filtered_entries_alone_equals_the_draw_over_the_whole_rows():
+    """The sampler computes the Gumbel noise only where top-k/top-p left entries: the tokens must be the
+    ones the whole-row draw (every entry's uniform, -inf where removed) picks, also with NaN and +inf
+    logits, and in batches that keep most entries (the whole-row path)."""
+    g = torch.Generator().manual_seed(5)
+    for params, vocab in (([SamplingParams(seed=i, top_k=5 + i, temperature=0.7) for i in range(6)], 5000),
+                          ([SamplingParams(seed=i, top_p=0.3) for i in range(6)], 5000),
+                          ([SamplingParams(seed=i) for i in range(3)] + [SamplingParams(seed=9, top_k=2)], 300)):
+        for step in range(20):
+            logits = torch.randn(len(params), vocab, generator=g) * 4
+            logits[0, step] = float("nan") if step % 3 == 0 else logits[0, step]
+            logits[1, step + 1] = float("inf") if step % 4 == 0 else logits[1, step + 1]
+            metadata = SamplingMetadata.from_requests(params, [[]] * len(params), [[1] * step] * len(params))
+            sampler = Sampler()
+            filtered = sampler.filter(logits.clone(), metadata)
+            whole_rows = gumbel_max(filtered, seeded_uniforms(metadata.seeds, metadata.steps,
+                                                              hash32(torch.arange(vocab))))
+            assert torch.equal(sampler(logits, metadata), whole_rows), f"step {step}: {len(params)} x {vocab}"
 
 
 def test_different_seeds_and_steps_give_different_draws_and_the_same_seed_repeats():

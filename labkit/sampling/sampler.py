@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.sampling.filters import apply_min_p, apply_temperature, apply_top_k, apply_top_p
+from labkit.sampling.filters import NEG_INF, apply_min_p, apply_temperature, apply_top_k, apply_top_p
 from labkit.sampling.params import SamplingParams
 from labkit.sampling.penalties import PAD_ID, apply_penalties
 from labkit.sampling.processors import logit_offsets
@@ -56,14 +56,22 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row `[batch]`, from its seed (64 bits) and step."""
+    return hash32(hash32(hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ (steps & _MASK32))
+
+
+def uniforms_of(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float64, for row keys and hashed vocabulary indices of the same shape."""
+    return (hash32(keys ^ vocab_hash).to(torch.float64) + 0.5) / 2.0**32
+
+
 def seeded_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), `[batch, vocab]` float64, a pure function of (seed, step, vocabulary index).
 
     `vocab_hash` is `hash32(arange(vocab))`, computed once by the Sampler.
     """
-    row_key = hash32(hash32(hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ (steps & _MASK32))
-    bits = hash32(row_key.unsqueeze(-1) ^ vocab_hash)
-    return (bits.to(torch.float64) + 0.5) / 2.0**32
+    return uniforms_of(row_keys(seeds, steps).unsqueeze(-1), vocab_hash)
 
 
 GREEDY_BLOCK = 1024  # vocabulary entries per block of `greedy_tokens`' first pass
@@ -84,9 +92,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return block * GREEDY_BLOCK + within
 
 
+def gumbel_scores(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """logit - log(-log u) in float64, entry by entry: the Gumbel-max trick's perturbed logits."""
+    return logits.to(torch.float64) - torch.log(-torch.log(uniforms))
+
+
 def gumbel_max(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Sample one index per row from softmax(logits), given one uniform per entry (-inf entries never win)."""
-    return (logits.to(torch.float64) - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+    return gumbel_scores(logits, uniforms).argmax(dim=-1)
 
 
 def _padded(rows: Sequence[Sequence[int]], device) -> torch.Tensor:
@@ -198,9 +211,22 @@ class Sampler:
         greedy = greedy_tokens(logits)
         if greedy_rows.all():
             return greedy
-        filtered = self.filter(logits, metadata)
-        sampled = gumbel_max(filtered, seeded_uniforms(metadata.seeds, metadata.steps, self._hashed_vocab(logits)))
+        sampled = self.draw(self.filter(logits, metadata), metadata)
         return torch.where(greedy_rows, greedy, sampled)
+
+    def draw(self, filtered: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """One Gumbel-max draw per row of the filtered logits. An entry's uniform depends only on (seed,
+        step, index), so when top-k or top-p left few entries, the noise is computed for those alone
+        (hashing and two float64 logs over a 32 x 49,152 batch cost ~75 ms of a ~95 ms step on a CPU)
+        and the draw is the same as over the whole row: the removed entries are -inf and never win."""
+        vocab_hash = self._hashed_vocab(filtered)
+        rows, columns = (filtered != NEG_INF).nonzero(as_tuple=True)
+        if 2 * rows.numel() > filtered.numel():
+            return gumbel_max(filtered, seeded_uniforms(metadata.seeds, metadata.steps, vocab_hash))
+        uniforms = uniforms_of(row_keys(metadata.seeds, metadata.steps)[rows], vocab_hash[columns])
+        scores = torch.full(filtered.shape, NEG_INF, dtype=torch.float64, device=filtered.device)
+        scores[rows, columns] = gumbel_scores(filtered[rows, columns], uniforms)
+        return scores.argmax(dim=-1)
 
     @staticmethod
     def filter(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -30,7 +30,8 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
 
 
 _FILTER_LOGITS = ("labkit.sampling.filter_logits", "labkit.sampling.filters.filter_logits")
-_SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.sampler.gumbel_max")
+_SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.Sampler.draw", "labkit.sampling.sampler.gumbel_max",
+            "labkit.sampling.sampler.gumbel_scores")
 
 
 def _per_row_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
