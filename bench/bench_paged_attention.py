@@ -9,6 +9,11 @@ workspace, int32 tables) already made by the first layer. SmolLM2-135M's attenti
 heads, 3 KV heads, head_dim 64) on this machine's CPU, one thread in the kernel. Prints times and
 ratios: gather / SDPA (lower is better, 1.0 is parity) and gather / engine (the kernel's speed-up;
 "-" where a step has no decode rows, which keep the gather).
+
+Those cases rerun one layer, whose pools then sit in the caches. In an engine step they never do:
+the step's weights sweep the caches between one layer's attention and the next. So the C kernel is
+also timed over LAYERS layers' pools in turn, a decode step of the bench workload's average shape,
+and its K/V read rate is printed against the streaming read bandwidth measured in the same run.
 """
 
 import time
@@ -18,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from labkit.attention import cpu_decode, reference
+from labkit.roofline import measure_read_bandwidth
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+LAYERS = 30  # SmolLM2-135M's
 
 
 def best_of(fn, repeats=30):
@@ -85,6 +92,33 @@ def main():
         speedup = f"{gather / engine:>12.2f}x" if decode_group and 1 in q_lens else f"{'-':>13}"
         print(f"{name:<52} | {gather * 1e3:>9.2f} ms | {engine * 1e3:>{len(kernel) + 14}.2f} ms | "
               f"{dense * 1e3:>12.2f} ms | {gather / dense:>10.2f}x | {speedup}")
+    if decode_group is not None:
+        report_from_memory()
+
+
+
+def from_memory(seqs: int, context: int, dtype: torch.dtype, pool_blocks: int = 2048) -> tuple[float, float]:
+    """(seconds per layer, K/V bytes read per second) of the C kernel over LAYERS layers' pools, each
+    layer's blocks scattered over its pool as an allocator leaves them, the pools run in turn."""
+    g = torch.Generator().manual_seed(1)
+    pools = [tuple(torch.randn(pool_blocks, BLOCK, KV_HEADS, DIM, generator=g).to(dtype) for _ in range(2))
+             for _ in range(LAYERS)]
+    blocks = -(-context // BLOCK)
+    tables = torch.randperm(pool_blocks, generator=g)[:seqs * blocks].view(seqs, blocks).int()
+    plan = cpu_decode.DecodePlan(tables, torch.full((seqs,), context, dtype=torch.int32), BLOCK)
+    q = torch.randn(seqs, HEADS, DIM, generator=g).to(dtype)
+    per_layer = best_of(lambda: [plan.attend(q, k, v) for k, v in pools], repeats=5) / LAYERS
+    return per_layer, seqs * context * 2 * KV_HEADS * DIM * dtype.itemsize / per_layer
+
+
+def report_from_memory() -> None:
+    bandwidth = measure_read_bandwidth()
+    print(f"decode over {LAYERS} layers' pools in turn, as a step reads them (from memory; streaming read "
+          f"{bandwidth / 1e9:.1f} GB/s):")
+    for dtype in (torch.float32, torch.bfloat16):
+        seconds, rate = from_memory(35, 105, dtype)
+        print(f"  35 seqs x 105 tokens, {str(dtype).removeprefix('torch.'):<8}: {seconds * 1e3:.2f} ms a layer, "
+              f"K/V read at {rate / 1e9:.1f} GB/s ({rate / bandwidth:.0%} of the streaming read)")
 
 
 if __name__ == "__main__":
