@@ -9,7 +9,8 @@ Prints, each as a ratio labkit/llama.cpp measured in the same run, for every lab
      `llama_batch` per step holding several sequence ids, finished sequences replaced at once
      (continuous batching, as llama.cpp's `parallel` example does it);
   4. greedy agreement on a few chat prompts: the tokens both generate from the same prompt ids
-     (matching prefix / longer output) and the largest logit difference at the prompt's last position.
+     (matching prefix / longer output) and the largest logit difference at the prompt's last position;
+     the same for each quantized format against labkit's fp32 model of the dequantized weights.
 Both sides are timed alike (bench_engine.time_it: CPU seconds of the process with one thread); they
 take turns and keep their best of --rounds for 1 and 2.
 
@@ -331,20 +332,29 @@ def main():
     tokenizer = next(iter(llms.values())).tokenizer
     prefixes = {f: [] for f in formats}  # per prompt: matching prefix, longer output, llama.cpp's margin there
     logit_gap = dict.fromkeys(formats, 0.0)
+    # the quantized formats against labkit's own fp32 model of the dequantized weights, where it runs
+    quantized = [f for f in formats if f != "dequantized"] if "dequantized" in llms and dtype == torch.float32 else []
+    from_fp32 = {f: ([], 0.0) for f in quantized}  # per prompt: matching prefix, longer output; max |logit gap|
     for question in CHAT_QUESTIONS:
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                              add_generation_prompt=True))
         reference = single.generate(ids, args.agreement_tokens, stop_at_eos=True)
         reference_logits = torch.from_numpy(single.prefill(ids).copy())
+        tokens, last_logits = {}, {}
         for f, llm in llms.items():
             got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
-            got = got.outputs[0].token_ids
+            tokens[f] = got = got.outputs[0].token_ids
             m = matching_prefix(got, reference)
             margin = top2_margin(single.prefill(ids + reference[:m])) if m < min(len(got), len(reference)) else None
             prefixes[f].append((m, max(len(got), len(reference)), margin))
             with torch.inference_mode():
-                logits = llm.model(torch.tensor(ids))[-1].float()
+                last_logits[f] = logits = llm.model(torch.tensor(ids))[-1].float()
             logit_gap[f] = max(logit_gap[f], (logits - reference_logits).abs().max().item())
+        for f in quantized:
+            matches, gap = from_fp32[f]
+            matches.append((matching_prefix(tokens[f], tokens["dequantized"]),
+                            max(len(tokens[f]), len(tokens["dequantized"]))))
+            from_fp32[f] = matches, max(gap, (last_logits[f] - last_logits["dequantized"]).abs().max().item())
     single.close()
     print(f"greedy agreement with llama.cpp on {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens per "
           "prompt, and where they part llama.cpp's own gap between its top two logits; max |logit difference| "
@@ -352,6 +362,11 @@ def main():
               f"{f} {', '.join(agreement_note(*p) for p in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
     agree = [f for f in formats if all(m == n for m, n, _ in prefixes[f])]
     print(f"formats whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
+    if quantized:
+        print("quantized formats against labkit's fp32 model of the dequantized weights (matching greedy prefix "
+              "/ tokens per prompt; max |logit difference| after the prompt): " + "; ".join(
+                  f"{f} {', '.join(f'{m}/{n}' for m, n in from_fp32[f][0])} ({from_fp32[f][1]:.3f})"
+                  for f in quantized))
     print("batch-1 decode ratio labkit/llama.cpp: " + ", ".join(
         f"{f} {decode[f] / decode['llama.cpp']:.2f}" for f in formats))
 
