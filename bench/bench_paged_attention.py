@@ -27,6 +27,7 @@ from labkit.roofline import measure_read_bandwidth
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30  # SmolLM2-135M's
+STEP_SEQS, STEP_CONTEXT = 38, 106  # bench_engine.py's workload: its decode steps' mean batch and context
 
 
 def best_of(fn, repeats=30):
@@ -116,8 +117,9 @@ def report_from_memory() -> None:
     print(f"decode over {LAYERS} layers' pools in turn, as a step reads them (from memory; streaming read "
           f"{bandwidth / 1e9:.1f} GB/s):")
     for dtype in (torch.float32, torch.bfloat16):
-        seconds, rate = from_memory(35, 105, dtype)
-        print(f"  35 seqs x 105 tokens, {str(dtype).removeprefix('torch.'):<8}: {seconds * 1e3:.2f} ms a layer, "
+        seconds, rate = from_memory(STEP_SEQS, STEP_CONTEXT, dtype)
+        print(f"  {STEP_SEQS} seqs x {STEP_CONTEXT} tokens, {str(dtype).removeprefix('torch.'):<8}: "
+              f"{seconds * 1e3:.2f} ms a layer, "
               f"K/V read at {rate / 1e9:.1f} GB/s ({rate / bandwidth:.0%} of the streaming read)")
 
 

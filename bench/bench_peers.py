@@ -334,7 +334,8 @@ def main():
     logit_gap = dict.fromkeys(formats, 0.0)
     # the quantized formats against labkit's own fp32 model of the dequantized weights, where it runs
     quantized = [f for f in formats if f != "dequantized"] if "dequantized" in llms and dtype == torch.float32 else []
-    from_fp32 = {f: ([], 0.0) for f in quantized}  # per prompt: matching prefix, longer output; max |logit gap|
+    fp32_prefixes = {f: [] for f in quantized}  # per prompt: matching prefix, longer output
+    fp32_gap = dict.fromkeys(quantized, 0.0)
     for question in CHAT_QUESTIONS:
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                              add_generation_prompt=True))
@@ -351,10 +352,9 @@ def main():
                 last_logits[f] = logits = llm.model(torch.tensor(ids))[-1].float()
             logit_gap[f] = max(logit_gap[f], (logits - reference_logits).abs().max().item())
         for f in quantized:
-            matches, gap = from_fp32[f]
-            matches.append((matching_prefix(tokens[f], tokens["dequantized"]),
-                            max(len(tokens[f]), len(tokens["dequantized"]))))
-            from_fp32[f] = matches, max(gap, (last_logits[f] - last_logits["dequantized"]).abs().max().item())
+            fp32_prefixes[f].append((matching_prefix(tokens[f], tokens["dequantized"]),
+                                     max(len(tokens[f]), len(tokens["dequantized"]))))
+            fp32_gap[f] = max(fp32_gap[f], (last_logits[f] - last_logits["dequantized"]).abs().max().item())
     single.close()
     print(f"greedy agreement with llama.cpp on {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens per "
           "prompt, and where they part llama.cpp's own gap between its top two logits; max |logit difference| "
@@ -365,7 +365,7 @@ def main():
     if quantized:
         print("quantized formats against labkit's fp32 model of the dequantized weights (matching greedy prefix "
               "/ tokens per prompt; max |logit difference| after the prompt): " + "; ".join(
-                  f"{f} {', '.join(f'{m}/{n}' for m, n in from_fp32[f][0])} ({from_fp32[f][1]:.3f})"
+                  f"{f} {', '.join(f'{m}/{n}' for m, n in fp32_prefixes[f])} ({fp32_gap[f]:.3f})"
                   for f in quantized))
     print("batch-1 decode ratio labkit/llama.cpp: " + ", ".join(
         f"{f} {decode[f] / decode['llama.cpp']:.2f}" for f in formats))

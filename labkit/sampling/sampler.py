@@ -220,9 +220,10 @@ class Sampler:
         (hashing and two float64 logs over a 32 x 49,152 batch cost ~75 ms of a ~95 ms step on a CPU)
         and the draw is the same as over the whole row: the removed entries are -inf and never win."""
         vocab_hash = self._hashed_vocab(filtered)
-        rows, columns = (filtered != NEG_INF).nonzero(as_tuple=True)
-        if 2 * rows.numel() > filtered.numel():
+        kept = filtered != NEG_INF
+        if 2 * int(kept.sum()) > filtered.numel():  # counted first: listing most of the batch costs more
             return gumbel_max(filtered, seeded_uniforms(metadata.seeds, metadata.steps, vocab_hash))
+        rows, columns = kept.nonzero(as_tuple=True)
         uniforms = uniforms_of(row_keys(metadata.seeds, metadata.steps)[rows], vocab_hash[columns])
         scores = torch.full(filtered.shape, NEG_INF, dtype=torch.float64, device=filtered.device)
         scores[rows, columns] = gumbel_scores(filtered[rows, columns], uniforms)
