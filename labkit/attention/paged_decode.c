@@ -195,51 +195,50 @@ INLINE float max_lanes(fvec v) {
 
 #define UNROLL _Pragma("GCC unroll 64") /* loops over a group's vectors: they must stay in registers */
 
+/* dots[g * step] = query head g of the group (qh) times token `token`'s K row of head h, lane by lane
+ * (the score is the sum of the lanes), asking meanwhile for the same head's part of the next block's
+ * row `token` (`next`: its offset, -1 when none). kv: the caller's array of `chunks` vectors. */
+INLINE void token_dots(fvec *dots, int step, fvec *kv, const fvec *qh, const void *k_cache, int64_t block,
+                       int64_t next, int next_n, int64_t row, int h, int token, int group, int chunks, int bf16) {
+    const int dim = LANES * chunks;
+    if (next >= 0 && token < next_n)
+        prefetch_part(k_cache, next + token * row + h * dim, dim, bf16);
+    UNROLL for (int c = 0; c < chunks; c++)
+        kv[c] = loadv(k_cache, block + token * row + h * dim + LANES * c, bf16);
+    UNROLL for (int g = 0; g < group; g++) {
+        fvec dot = qh[g * chunks] * kv[0];
+        UNROLL for (int c = 1; c < chunks; c++)
+            dot += qh[g * chunks + c] * kv[c];
+        dots[g * step] = dot;
+    }
+}
+
 /* The scores of KV head h's group of query heads against the n tokens of one block (K rows from
- * element offset `block`), into weight[i * stride + t] for query head i. While reading each row, asks
- * for the same head's part of the next block's row t (`next`: its offset, -1 when none). kv: the
- * caller's array of `chunks` vectors. */
+ * element offset `block`), into weight[i * stride + t] for query head i. */
 INLINE void block_scores(fvec *kv, const fvec *query, const void *k_cache, int64_t block, int64_t next,
                          int next_n, int64_t row, int h, int n, int group, int chunks, float *weight, int stride,
                          int bf16) {
-    const int dim = LANES * chunks;
     const fvec *qh = query + (int64_t)h * group * chunks;
 #if LANES == 16 /* 16 tokens' dot products summed across lanes at once (sum_lanes16) */
     for (int t0 = 0; t0 < n; t0 += 16) {
         fvec dots[group][16];
         for (int t = 0; t < 16; t++) {
-            const int token = t0 + t;
-            if (token >= n) {
+            if (t0 + t < n) {
+                token_dots(&dots[0][t], 16, kv, qh, k_cache, block, next, next_n, row, h, t0 + t, group, chunks, bf16);
+            } else {
                 UNROLL for (int g = 0; g < group; g++)
                     dots[g][t] = (fvec){0};
-                continue;
-            }
-            if (next >= 0 && token < next_n)
-                prefetch_part(k_cache, next + token * row + h * dim, dim, bf16);
-            UNROLL for (int c = 0; c < chunks; c++)
-                kv[c] = loadv(k_cache, block + token * row + h * dim + LANES * c, bf16);
-            UNROLL for (int g = 0; g < group; g++) {
-                fvec dot = qh[g * chunks] * kv[0];
-                UNROLL for (int c = 1; c < chunks; c++)
-                    dot += qh[g * chunks + c] * kv[c];
-                dots[g][t] = dot;
             }
         }
         for (int g = 0; g < group; g++)
             storev(weight + (int64_t)(h * group + g) * stride, t0, sum_lanes16(dots[g]), 0);
     }
 #else
+    fvec dots[group];
     for (int t = 0; t < n; t++) {
-        if (next >= 0 && t < next_n)
-            prefetch_part(k_cache, next + t * row + h * dim, dim, bf16);
-        UNROLL for (int c = 0; c < chunks; c++)
-            kv[c] = loadv(k_cache, block + t * row + h * dim + LANES * c, bf16);
-        UNROLL for (int g = 0; g < group; g++) {
-            fvec dot = qh[g * chunks] * kv[0];
-            UNROLL for (int c = 1; c < chunks; c++)
-                dot += qh[g * chunks + c] * kv[c];
-            weight[(int64_t)(h * group + g) * stride + t] = sumv(dot);
-        }
+        token_dots(dots, 1, kv, qh, k_cache, block, next, next_n, row, h, t, group, chunks, bf16);
+        UNROLL for (int g = 0; g < group; g++)
+            weight[(int64_t)(h * group + g) * stride + t] = sumv(dots[g]);
     }
 #endif
 }
