@@ -12,10 +12,9 @@
  * for the group of query heads sharing it (GQA), and the group's sums stay in registers for the whole
  * block (1.3-1.5x faster with the pools in cache than keeping every head's sums in memory, the same
  * results bit for bit). On AVX-512 the scores of 16 tokens are summed across lanes together
- * (sum_lanes16), elsewhere one at a time. Each
- * query head keeps the online softmax of the PagedAttention lesson ("Block-wise Softmax
- * Computation"): a running max, a running denominator and a running weighted sum of values, rescaled
- * when the max grows, so no block needs another in memory.
+ * (sum_lanes16), elsewhere one at a time. Each query head keeps the online softmax of the
+ * PagedAttention lesson ("Block-wise Softmax Computation"): a running max, a running denominator and
+ * a running weighted sum of values, rescaled when the max grows, so no block needs another in memory.
  *
  * Single-threaded: the engine runs one thread per process in its tests and benchmarks. The caller
  * (labkit/attention/cpu_decode.py) validates every shape, dtype and block id before calling; this
@@ -178,6 +177,7 @@ INLINE void prefetch_part(const void *pool, int64_t at, int dim, int bf16) {
         __builtin_prefetch((const char *)pool + at * size + line, 0, 2);
 }
 
+/* The max of the lanes: AVX-512's reduction, elsewhere lane by lane. */
 #if LANES == 16
 INLINE float max_lanes(fvec v) {
     __m512 m;
