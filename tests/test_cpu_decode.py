@@ -40,8 +40,8 @@ def sdpa_decode(q, k_cache, v_cache, tables, lens):
                          [(9, 3, 64, 16), (6, 6, 16, 8), (8, 1, 128, 32), (4, 2, 48, 16), (10, 2, 64, 16)])
 def test_kernel_matches_sdpa_and_the_gather_path(compiled, dtype, num_heads, num_kv_heads, head_dim, block_size):
     """Sequences of 1 token, a partly filled last block, exactly full blocks and many blocks, in
-    shuffled blocks; GQA groups of 3, 1 (MHA), 8 (MQA) and 2, each compiled for its head_dim (64,
-    128), and the general path for other head_dims (16, 48) and groups (5)."""
+    shuffled blocks; GQA groups of 3, 1 (MHA), 8 (MQA), 2 and 5: the (group, head_dim) pairs compiled
+    with both fixed, (3, 64) and (8, 128), and the general path, (1, 16), (2, 48) and (5, 64)."""
     k_lens = [1, 5, block_size, block_size + 1, 3 * block_size - 2, 200]
     q, k_cache, v_cache, tables, _, cu_k = reference.random_paged_inputs(
         k_lens, [1] * len(k_lens), num_kv_heads, head_dim, block_size, num_heads, seed=3, dtype=dtype)

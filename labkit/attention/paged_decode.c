@@ -292,11 +292,12 @@ typedef void values_fn(fvec *acc, const void *v_cache, int64_t block, int64_t ne
         block_values(sums, kv, acc, v_cache, block, next, next_n, row, h, n, group_, chunks_, weight, stride, \
                      bf16);                                                                                  \
     }
+/* The (GQA group, head_dim) pairs compiled with both fixed: most models' shapes. */
+#define FIXED_SHAPES(X) X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(8, 64) X(1, 128) X(2, 128) X(3, 128) X(4, 128) X(8, 128)
 #define FIXED_STEPS(group, dim)                                                                              \
     BLOCK_STEPS(f32_##group##_##dim, 0, group, dim / LANES)                                                  \
     BLOCK_STEPS(bf16_##group##_##dim, 1, group, dim / LANES)
-FIXED_STEPS(1, 64) FIXED_STEPS(2, 64) FIXED_STEPS(3, 64) FIXED_STEPS(4, 64) FIXED_STEPS(8, 64)
-FIXED_STEPS(1, 128) FIXED_STEPS(2, 128) FIXED_STEPS(3, 128) FIXED_STEPS(4, 128) FIXED_STEPS(8, 128)
+FIXED_SHAPES(FIXED_STEPS)
 BLOCK_STEPS(f32_any, 0, group, chunks)
 BLOCK_STEPS(bf16_any, 1, group, chunks)
 
@@ -308,8 +309,7 @@ static void pick_steps(int group, int dim, int bf16, scores_fn **scores, values_
         *values = bf16 ? values_bf16_##g##_##d : values_f32_##g##_##d;                                       \
         return;                                                                                              \
     }
-    PICK(1, 64) PICK(2, 64) PICK(3, 64) PICK(4, 64) PICK(8, 64)
-    PICK(1, 128) PICK(2, 128) PICK(3, 128) PICK(4, 128) PICK(8, 128)
+    FIXED_SHAPES(PICK)
 #undef PICK
     *scores = bf16 ? scores_bf16_any : scores_f32_any;
     *values = bf16 ? values_bf16_any : values_f32_any;
@@ -319,9 +319,10 @@ static void pick_steps(int group, int dim, int bf16, scores_fn **scores, values_
  * replace its scores in place, and the running sums are rescaled when the max grows. */
 INLINE void block_softmax(float *scores, int n, float *running_max, float *denom, fvec *acc, int chunks) {
     const int used = (n + LANES - 1) / LANES * LANES;
+    /* padding of a partly filled block: weighs e^-87, which vanishes next to the max's weight of 1 */
     for (int t = n; t < used; t++)
-        scores[t] = -FLT_MAX; /* padding of a partly filled block: weighs e^-87, which vanishes next */
-    fvec lanes = loadv(scores, 0, 0); /* to the max's weight of 1 */
+        scores[t] = -FLT_MAX;
+    fvec lanes = loadv(scores, 0, 0);
     for (int t = LANES; t < used; t += LANES)
         lanes = maxv(lanes, loadv(scores, t, 0));
     const float block_max = max_lanes(lanes);
