@@ -16,14 +16,21 @@ def compiled():
         pytest.skip(f"no C kernel here: {int8_dot.kernel_name()}")
 
 
+def built_with_avx() -> bool:
+    return "AVX" in int8_dot.kernel_name()
+
+
 def quantized_activations(x: torch.Tensor):
     """llama.cpp's Q8_1 blocks of each row, as the kernel computes them: per group of 32 (zero-padded),
-    codes round(x / s) with s = max|x| / 127 in float32, then s and s * sum(codes) rounded to float16.
+    codes round(x / s) with s = max|x| / 127 in float32, then s and s * sum(codes) rounded to float16;
+    x / s is x * (127 / max|x|) in an AVX build, as llama.cpp's AVX code has it, else x * (1 / s).
     Returns (codes, s, rounded s, rounded s * sum(codes)) in float64."""
     rows, n = x.shape
     groups = F.pad(x.float(), (0, -n % 32)).view(rows, -1, 32)
-    s = groups.abs().amax(-1) / 127
-    inverse = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    amax = groups.abs().amax(-1)
+    s = amax / 127
+    numerator, divisor = (torch.full_like(s, 127), amax) if built_with_avx() else (torch.ones_like(s), s)
+    inverse = torch.where(s > 0, numerator / divisor, torch.zeros_like(s))  # tensor / tensor: one IEEE division
     codes = torch.round(groups * inverse[..., None])
     return (codes.double(), s.double(), s.half().double(), (codes.sum(-1) * s).half().double())
 
@@ -100,6 +107,17 @@ def test_bfloat16_activations_give_bfloat16_outputs_rounded_once(compiled):
     got = int8_dot.pack_q4_1(codes, d, m)(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, q4_1_oracle(x.float(), codes, d, m).bfloat16(), rtol=2 ** -8, atol=1e-5)
+
+
+def test_activation_codes_round_as_llama_cpp_builds_for_this_cpu(compiled):
+    """For x = 0.33502504 in a group whose max is 0.59507948, x * (127 / max) is 71.49999 and x * (1 / s)
+    71.5 in float32, codes 71 and 72: the kernel must pick the one llama.cpp's build for this CPU picks, or the two
+    engines' layers part by a whole code step on the same input. A one-hot int8 weight reads the code."""
+    top, x = 0.5950794816017151, 0.33502504229545593
+    layer = int8_dot.pack_int8(torch.tensor([[0, 1] + [0] * 30], dtype=torch.int8), torch.tensor([1.0]))
+    s = torch.tensor(top / 127, dtype=torch.float32)
+    code = layer(torch.tensor([[top, x] + [0.0] * 30]))[0, 0] / s.half().float()
+    assert code.item() == (71.0 if built_with_avx() else 72.0)
 
 
 def test_batches_above_the_threshold_run_a_float_gemm_of_the_exact_weights(compiled):
