@@ -10,7 +10,12 @@ Prints, each as a ratio labkit/llama.cpp measured in the same run, for every lab
      (continuous batching, as llama.cpp's `parallel` example does it);
   4. greedy agreement on a few chat prompts: the tokens both generate from the same prompt ids
      (matching prefix / longer output) and the largest logit difference at the prompt's last position;
-     the same for each quantized format against labkit's fp32 model of the dequantized weights.
+     then, along llama.cpp's own greedy text (each labkit model fed llama.cpp's tokens, one a step
+     through a KV cache, so that one split does not change every later context), how often labkit's
+     top token is llama.cpp's (the "same top" figure of llama.cpp's KL-divergence tool), llama.cpp's
+     top-two gap where it is not, the mean KL divergence and the largest logit difference; the same
+     for each quantized format against labkit's fp32 model of the dequantized weights. The quantized
+     formats are compared in float32 (llama.cpp's activation dtype) and in the bfloat16 they are timed in.
 Both sides are timed alike (bench_engine.time_it: CPU seconds of the process with one thread); they
 take turns and keep their best of --rounds for 1 and 2.
 
@@ -33,7 +38,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_engine import decode_speeds, time_it, workload  # noqa: E402
 
+from labkit.cache.kv_cache import KVCache  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
+from labkit.model.generate import step_metadata  # noqa: E402
 from labkit.model.weight_formats import WEIGHT_FORMATS, linear_kernel  # noqa: E402
 from labkit.registry import resolve_model_path  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
@@ -62,6 +69,51 @@ def top2_margin(logits: np.ndarray) -> float:
 
 def agreement_note(matched: int, total: int, margin: float | None) -> str:
     return f"{matched}/{total}" + ("" if margin is None else f" (gap {margin:.2f})")
+
+
+@dataclass
+class Agreement:
+    """How one model's next-token scores compare with a reference's along the same text."""
+    same_top: int = 0
+    positions: int = 0
+    split_gaps: list[float] = field(default_factory=list)  # the reference's top-two gap where the tops differ
+    gaps: list[float] = field(default_factory=list)  # ... at every position
+    kl_sum: float = 0.0
+    max_logit_diff: float = 0.0
+
+    def add(self, reference: torch.Tensor, logits: torch.Tensor) -> None:
+        """Rows [positions, vocab] of both at the same positions."""
+        reference, logits = reference.double(), logits.double()
+        same = reference.argmax(-1) == logits.argmax(-1)
+        self.same_top += int(same.sum())
+        self.positions += len(same)
+        gaps = [top2_margin(row.numpy()) for row in reference]
+        self.gaps += gaps
+        self.split_gaps += [g for g, agrees in zip(gaps, same.tolist(), strict=True) if not agrees]
+        log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
+        self.kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+        self.max_logit_diff = max(self.max_logit_diff, float((reference - logits).abs().max()))
+
+    def __str__(self) -> str:
+        splits = ", ".join(f"{g:.2f}" for g in sorted(self.split_gaps))
+        splits = f" (reference gaps there {splits}; median over all {np.median(self.gaps):.2f})" if splits else ""
+        return (f"same top {self.same_top}/{self.positions}{splits}, mean KL {self.kl_sum / self.positions:.4f}, "
+                f"max |logit difference| {self.max_logit_diff:.2f}")
+
+
+def forced_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """The model's scores before each token of `continuation` [len, vocab] when it is fed that
+    continuation instead of its own choices: the prompt in one step, then one token a step through a
+    contiguous KV cache, the way decoding runs (the quantized formats' integer kernels included)."""
+    cache, cached, rows = KVCache(model.config.num_layers), 0, []
+    with torch.inference_mode():
+        for step in [prompt] + [[t] for t in continuation[:-1]]:
+            positions = torch.arange(cached, cached + len(step))
+            hidden = model.forward_hidden(torch.tensor(step), positions, step_metadata(1, len(step), cached, "cpu"),
+                                          cache)
+            rows.append(model.compute_logits(hidden[-1:])[0].float())
+            cached += len(step)
+    return torch.stack(rows)
 
 
 def best_times(runs: dict, rounds: int) -> dict:
@@ -213,6 +265,15 @@ class LlamaCpp:
         self._decode([(0, t, i, i == len(prompt) - 1) for i, t in enumerate(prompt)])
         return self.logits(-1)
 
+    def forced_logits(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """Scores before each token of `continuation` [len, vocab], in one batch: llama.cpp's CPU
+        results for a token do not depend on the batch it comes in (measured: its greedy text and
+        logits are the same fed one token at a time)."""
+        self.lib.llama_memory_clear(self.memory, True)
+        ids, first = prompt + continuation[:-1], len(prompt) - 1
+        self._decode([(0, t, i, i >= first) for i, t in enumerate(ids)])
+        return torch.stack([torch.from_numpy(self.logits(i).copy()) for i in range(first, len(ids))])
+
     def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool = False) -> list[int]:
         """Greedy tokens of one sequence (batch 1)."""
         out = [int(self.prefill(prompt).argmax())]
@@ -332,29 +393,32 @@ def main():
     tokenizer = next(iter(llms.values())).tokenizer
     prefixes = {f: [] for f in formats}  # per prompt: matching prefix, longer output, llama.cpp's margin there
     logit_gap = dict.fromkeys(formats, 0.0)
-    # the quantized formats against labkit's own fp32 model of the dequantized weights, where it runs
-    quantized = [f for f in formats if f != "dequantized"] if "dequantized" in llms and dtype == torch.float32 else []
-    fp32_prefixes = {f: [] for f in quantized}  # per prompt: matching prefix, longer output
-    fp32_gap = dict.fromkeys(quantized, 0.0)
+    # along llama.cpp's text: every timed model, and the quantized formats also in llama.cpp's float32
+    timed = {f: f"{f} {str(format_dtype(f, dtype)).removeprefix('torch.')}" for f in formats}
+    models = {timed[f]: llm.model for f, llm in llms.items()}
+    models.update({f"{f} float32": LLM(path, device="cpu", dtype=torch.float32, weight_format=f).model
+                   for f in formats if f != "dequantized" and format_dtype(f, dtype) != torch.float32})
+    fp32 = f"dequantized {args.dtype}" if dtype == torch.float32 and "dequantized" in formats else None
+    versus_llama = {name: Agreement() for name in models}
+    versus_fp32 = {name: Agreement() for name in models if fp32 and name != fp32}
     for question in CHAT_QUESTIONS:
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                              add_generation_prompt=True))
         reference = single.generate(ids, args.agreement_tokens, stop_at_eos=True)
-        reference_logits = torch.from_numpy(single.prefill(ids).copy())
-        tokens, last_logits = {}, {}
+        reference_logits = single.forced_logits(ids, reference)
         for f, llm in llms.items():
             got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
-            tokens[f] = got = got.outputs[0].token_ids
+            got = got.outputs[0].token_ids
             m = matching_prefix(got, reference)
             margin = top2_margin(single.prefill(ids + reference[:m])) if m < min(len(got), len(reference)) else None
             prefixes[f].append((m, max(len(got), len(reference)), margin))
-            with torch.inference_mode():
-                last_logits[f] = logits = llm.model(torch.tensor(ids))[-1].float()
-            logit_gap[f] = max(logit_gap[f], (logits - reference_logits).abs().max().item())
-        for f in quantized:
-            fp32_prefixes[f].append((matching_prefix(tokens[f], tokens["dequantized"]),
-                                     max(len(tokens[f]), len(tokens["dequantized"]))))
-            fp32_gap[f] = max(fp32_gap[f], (last_logits[f] - last_logits["dequantized"]).abs().max().item())
+        forced = {name: forced_logits(model, ids, reference) for name, model in models.items()}
+        for f in formats:  # the first row: after the prompt
+            logit_gap[f] = max(logit_gap[f], (forced[timed[f]][0] - reference_logits[0]).abs().max().item())
+        for name in models:
+            versus_llama[name].add(reference_logits, forced[name])
+            if name in versus_fp32:
+                versus_fp32[name].add(forced[fp32], forced[name])
     single.close()
     print(f"greedy agreement with llama.cpp on {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens per "
           "prompt, and where they part llama.cpp's own gap between its top two logits; max |logit difference| "
@@ -362,11 +426,11 @@ def main():
               f"{f} {', '.join(agreement_note(*p) for p in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
     agree = [f for f in formats if all(m == n for m, n, _ in prefixes[f])]
     print(f"formats whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
-    if quantized:
-        print("quantized formats against labkit's fp32 model of the dequantized weights (matching greedy prefix "
-              "/ tokens per prompt; max |logit difference| after the prompt): " + "; ".join(
-                  f"{f} {', '.join(f'{m}/{n}' for m, n in fp32_prefixes[f])} ({fp32_gap[f]:.3f})"
-                  for f in quantized))
+    print("along llama.cpp's greedy text, labkit fed the same tokens, against llama.cpp: " + "; ".join(
+        f"{name} {a}" for name, a in versus_llama.items()))
+    if versus_fp32:
+        print(f"along the same text, against labkit's {fp32} model of the dequantized weights: " + "; ".join(
+            f"{name} {a}" for name, a in versus_fp32.items()))
     print("batch-1 decode ratio labkit/llama.cpp: " + ", ".join(
         f"{f} {decode[f] / decode['llama.cpp']:.2f}" for f in formats))
 

@@ -1,6 +1,6 @@
 """bench/bench_peers.py's pure-Python parts, run without llama.cpp: the continuous batcher that drives
 llama.cpp's batch API (against a fake engine whose KV cache is keyed by sequence id), the agreement
-count, and the message when llama-cpp-python is not built."""
+counts, labkit's scores along a fixed text, and the message when llama-cpp-python is not built."""
 
 import importlib.util
 import subprocess
@@ -131,3 +131,39 @@ def test_top2_margin_and_agreement_note():
     assert bench_peers.top2_margin(np.array([3.0, 3.0])) == 0.0
     assert bench_peers.agreement_note(48, 48, None) == "48/48"
     assert bench_peers.agreement_note(0, 48, 0.0432) == "0/48 (gap 0.04)"
+
+
+def test_agreement_counts_same_tops_and_the_reference_gaps_where_they_split():
+    import torch
+    reference = torch.tensor([[5.0, 1.0, 0.0], [2.0, 1.9, 0.0], [0.0, 3.0, 1.0]])
+    logits = torch.tensor([[4.0, 1.0, 0.0], [1.9, 2.0, 0.0], [0.0, 3.5, 1.0]])
+    a = bench_peers.Agreement()
+    a.add(reference, reference)
+    assert (a.same_top, a.positions, a.split_gaps, a.max_logit_diff) == (3, 3, [], 0.0)
+    assert a.kl_sum == pytest.approx(0.0, abs=1e-12)
+    a.add(reference, logits)
+    assert (a.same_top, a.positions) == (5, 6)
+    assert a.split_gaps == [pytest.approx(0.1)]
+    assert a.max_logit_diff == pytest.approx(1.0)
+    p, q = reference.double().softmax(-1), logits.double().softmax(-1)
+    assert a.kl_sum == pytest.approx(float((p * (p / q).log()).sum()))
+    assert str(a).startswith("same top 5/6 (reference gaps there 0.10; median over all 2.00), mean KL ")
+
+
+def test_forced_logits_are_the_full_sequence_scores_at_those_positions():
+    """Fed a fixed continuation one token a step through a KV cache, a float32 model gives the scores a
+    single pass over the whole text gives at the same positions."""
+    import torch
+
+    from labkit.model.config import ModelConfig
+    from labkit.model.random_weights import random_model
+    config = ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = random_model(config, seed=3)
+    prompt, continuation = [1, 5, 9, 40], [7, 7, 96, 3, 12]
+    got = bench_peers.forced_logits(model, prompt, continuation)
+    with torch.inference_mode():
+        whole = model(torch.tensor(prompt + continuation[:-1]))
+    assert got.shape == (len(continuation), config.vocab_size)
+    torch.testing.assert_close(got, whole[len(prompt) - 1:], rtol=1e-5, atol=1e-5)
