@@ -15,7 +15,10 @@ Prints, each as a ratio labkit/llama.cpp measured in the same run, for every lab
      top token is llama.cpp's (the "same top" figure of llama.cpp's KL-divergence tool), llama.cpp's
      top-two gap where it is not, the mean KL divergence and the largest logit difference; the same
      for each quantized format against labkit's fp32 model of the dequantized weights. The quantized
-     formats are compared in float32 (llama.cpp's activation dtype) and in the bfloat16 they are timed in.
+     formats are compared in float32 (llama.cpp's activation dtype) and in the bfloat16 they are timed in;
+  5. where the two part, stage by stage: labkit's q4_1 model (float32) fed llama.cpp's own input to
+     each stage of every layer (read through llama.cpp's eval callback), against llama.cpp's output
+     of it: the Q4_1 projections, SwiGLU and attention, each alone.
 Both sides are timed alike (bench_engine.time_it: CPU seconds of the process with one thread); they
 take turns and keep their best of --rounds for 1 and 2.
 
@@ -29,6 +32,7 @@ the first time: 10-25 minutes on two cores); this script never downloads anythin
 import argparse
 import ctypes
 import os
+import re
 from dataclasses import dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,6 +44,7 @@ from bench_engine import decode_speeds, time_it, workload  # noqa: E402
 
 from labkit.cache.kv_cache import KVCache  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
+from labkit.model import int8_dot  # noqa: E402
 from labkit.model.generate import step_metadata  # noqa: E402
 from labkit.model.weight_formats import WEIGHT_FORMATS, linear_kernel  # noqa: E402
 from labkit.registry import resolve_model_path  # noqa: E402
@@ -211,7 +216,8 @@ class ContinuousBatcher:
 class LlamaCpp:
     """One llama.cpp context on a GGUF file through llama-cpp-python's C API, greedy only."""
 
-    def __init__(self, path, threads: int, n_ctx: int, n_batch: int, n_seq_max: int = 1, kv_unified: bool = False):
+    def __init__(self, path, threads: int, n_ctx: int, n_batch: int, n_seq_max: int = 1, kv_unified: bool = False,
+                 taps: "Taps | None" = None):
         try:
             import llama_cpp
         except ImportError:
@@ -227,6 +233,9 @@ class LlamaCpp:
         params.n_ctx, params.n_batch, params.n_seq_max = n_ctx, n_batch, n_seq_max
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = kv_unified
+        if taps is not None:
+            self._taps = llama_cpp.ggml_backend_sched_eval_callback(taps.observe)  # kept alive: C holds it
+            params.cb_eval = self._taps
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
@@ -293,6 +302,84 @@ class LlamaCpp:
             for seq_id in batcher.advance({r: int(self.logits(i).argmax()) for i, r in rows}):
                 self.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         return [req.output for req in batcher.requests]
+
+
+class _GgmlTensor(ctypes.Structure):
+    """ggml.h's `struct ggml_tensor` as llama-cpp-python 0.3.36 (the version `make bench-peers` pins)
+    builds it, up to its name."""
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+class Taps:
+    """llama.cpp's intermediate float32 tensors, read through its graph's eval callback: every value of
+    a wanted name in the order it is computed (a name such as "Qcur-3" is the projection, then its
+    reshape, then the rotated copy), as [rows, columns] (a token per row)."""
+
+    def __init__(self, wanted):
+        self.wanted = wanted  # name -> bool
+        self.tensors: dict[str, list[torch.Tensor]] = {}
+
+    def observe(self, tensor, ask: bool, user_data) -> bool:
+        t = ctypes.cast(tensor, ctypes.POINTER(_GgmlTensor)).contents
+        name = t.name.decode(errors="replace")
+        if ask:
+            return self.wanted(name)
+        ne, nb = list(t.ne), list(t.nb)
+        if t.type == 0 and t.data and nb[0] == 4 and nb[1] == 4 * ne[0] and nb[2] == nb[1] * ne[1]:  # contiguous f32
+            data = ctypes.cast(t.data, ctypes.POINTER(ctypes.c_float))
+            values = np.ctypeslib.as_array(data, shape=(int(np.prod(ne)),))
+            columns = ne[0] * ne[1] if ne[2] > 1 else ne[0]  # [tokens, heads, dim] or [tokens, features]
+            self.tensors.setdefault(name, []).append(torch.from_numpy(values.copy()).view(-1, columns))
+        return True
+
+
+STAGES = ("attn_norm", "Qcur", "Kcur", "Vcur", "kqv_out", "attn_out", "ffn_norm", "ffn_gate", "ffn_up",
+          "ffn_swiglu", "ffn_out")
+STAGE_NAME = re.compile(rf"({'|'.join(STAGES)})-\d+")  # llama.cpp's names for them in layer i: "ffn_up-7"
+
+
+def stage_differences(path, model, prompt: list[int], threads: int) -> tuple[dict[str, float], int]:
+    """Each stage of labkit's model computed from llama.cpp's own input to it, against llama.cpp's
+    output of it, on one prompt: ({stage: the largest |difference| relative to the largest |output| of
+    the same tensor, over the layers}, layers compared). So each stage is compared alone, without the
+    differences of the stages before it; float32 rounding alone leaves ~1e-7. `model` holds
+    the file's Q4_1 blocks in float32; its linears run their integer kernel, 8 rows a call. q and k
+    are left out of the projections: the file stores their rows permuted for llama.cpp's rotation."""
+    taps = Taps(lambda name: bool(STAGE_NAME.fullmatch(name)))
+    llama = LlamaCpp(path, threads, n_ctx=max(512, len(prompt)), n_batch=max(512, len(prompt)), taps=taps)
+    llama.prefill(prompt)
+    llama.close()
+    config, T = model.config, len(prompt)
+    rows = int8_dot.DENSE_FROM_ROWS
+    worst, layers = {}, 0
+
+    def compare(stage: str, got: torch.Tensor, expected: torch.Tensor):
+        relative = float((got.float() - expected).abs().max() / expected.abs().max())
+        worst[stage] = max(worst.get(stage, 0.0), relative)
+
+    def linear(module, x):  # 8 rows a call: the integer kernel, not the float GEMM that larger batches take
+        return torch.cat([module(x[r:r + rows]) for r in range(0, len(x), rows)])
+
+    with torch.inference_mode():
+        for i, layer in enumerate(model.layers):
+            tap = {name: taps.tensors[f"{name}-{i}"] for name in STAGES}
+            if any(values[0].shape[0] != T for values in tap.values()):
+                continue  # the last layer: llama.cpp keeps only the rows that need logits
+            layers += 1
+            attn, mlp = layer.self_attn, layer.mlp
+            compare("projections", linear(attn.v_proj, tap["attn_norm"][0]), tap["Vcur"][0])
+            compare("projections", linear(attn.o_proj, tap["kqv_out"][0]), tap["attn_out"][0])
+            compare("projections", linear(mlp.gate_proj, tap["ffn_norm"][0]), tap["ffn_gate"][0])
+            compare("projections", linear(mlp.up_proj, tap["ffn_norm"][0]), tap["ffn_up"][0])
+            compare("projections", linear(mlp.down_proj, tap["ffn_swiglu"][0]), tap["ffn_out"][0])
+            compare("SwiGLU", torch.nn.functional.silu(tap["ffn_gate"][0]) * tap["ffn_up"][0], tap["ffn_swiglu"][0])
+            q, k, v = (tap[name][-1].view(T, -1, config.head_dim).transpose(0, 1) for name in ("Qcur", "Kcur", "Vcur"))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            compare("attention", out.transpose(0, 1).reshape(T, -1), tap["kqv_out"][0])
+    return worst, layers
 
 
 def format_dtype(weight_format: str, dtype: torch.dtype) -> torch.dtype:
@@ -401,9 +488,9 @@ def main():
     fp32 = f"dequantized {args.dtype}" if dtype == torch.float32 and "dequantized" in formats else None
     versus_llama = {name: Agreement() for name in models}
     versus_fp32 = {name: Agreement() for name in models if fp32 and name != fp32}
-    for question in CHAT_QUESTIONS:
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                             add_generation_prompt=True))
+    chats = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                            add_generation_prompt=True)) for question in CHAT_QUESTIONS]
+    for ids in chats:
         reference = single.generate(ids, args.agreement_tokens, stop_at_eos=True)
         reference_logits = single.forced_logits(ids, reference)
         for f, llm in llms.items():
@@ -431,6 +518,11 @@ def main():
     if versus_fp32:
         print(f"along the same text, against labkit's {fp32} model of the dequantized weights: " + "; ".join(
             f"{name} {a}" for name, a in versus_fp32.items()))
+    if "q4_1 float32" in models and int8_dot.available():
+        worst, layers = stage_differences(path, models["q4_1 float32"], chats[0], args.threads)
+        print(f"labkit q4_1 float32, each stage fed llama.cpp's own input to it ({len(chats[0])}-token prompt, "
+              f"{layers} layers; largest |difference| from llama.cpp's output, relative to its largest value): "
+              + "; ".join(f"{stage} {relative:.1e}" for stage, relative in worst.items()))
     print("batch-1 decode ratio labkit/llama.cpp: " + ", ".join(
         f"{f} {decode[f] / decode['llama.cpp']:.2f}" for f in formats))
 

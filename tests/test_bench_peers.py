@@ -167,3 +167,35 @@ def test_forced_logits_are_the_full_sequence_scores_at_those_positions():
         whole = model(torch.tensor(prompt + continuation[:-1]))
     assert got.shape == (len(continuation), config.vocab_size)
     torch.testing.assert_close(got, whole[len(prompt) - 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_taps_read_contiguous_float32_tensors_by_name_and_skip_the_rest():
+    """A ggml tensor laid out as llama.cpp's eval callback hands it over: the wanted names are asked
+    for, a contiguous float32 one is copied as [tokens, features], anything else is passed over."""
+    import ctypes
+
+    import numpy as np
+    import torch
+    taps = bench_peers.Taps(lambda name: bool(bench_peers.STAGE_NAME.fullmatch(name)))
+    values = np.arange(2 * 3 * 4, dtype=np.float32)  # 4 tokens of 3 heads x 2 dims
+
+    def tensor(name, ne, type_=0):
+        t = bench_peers._GgmlTensor(type=type_, name=name.encode())
+        t.ne[:] = ne
+        t.nb[:] = [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]]
+        t.data = values.ctypes.data
+        return t
+
+    def observe(t, ask):  # t stays alive until observe returns
+        return taps.observe(ctypes.addressof(t), ask, None)
+
+    assert observe(tensor("Vcur-3", (2, 3, 4, 1)), True)
+    assert not observe(tensor("Vcur-3 (view)", (2, 3, 4, 1)), True)
+    assert not observe(tensor("cache_k_l3", (2, 3, 4, 1)), True)
+    assert observe(tensor("Vcur-3", (6, 4, 1, 1)), False)  # the projection
+    assert observe(tensor("Vcur-3", (2, 3, 4, 1)), False)  # its reshape
+    observe(tensor("Kcur-3", (2, 3, 4, 1), type_=1), False)  # float16: skipped
+    values[0] = -1.0  # copied, not a view of llama.cpp's buffer
+    expected = torch.arange(24, dtype=torch.float32).view(4, 6)
+    assert [t.tolist() for t in taps.tensors["Vcur-3"]] == [expected.tolist()] * 2
+    assert set(taps.tensors) == {"Vcur-3"}
