@@ -15,7 +15,9 @@ Prints, each as a ratio labkit/llama.cpp measured in the same run, for every lab
      top token is llama.cpp's (the "same top" figure of llama.cpp's KL-divergence tool), llama.cpp's
      top-two gap where it is not, the mean KL divergence and the largest logit difference; the same
      for each quantized format against labkit's fp32 model of the dequantized weights. The quantized
-     formats are compared in float32 (llama.cpp's activation dtype) and in the bfloat16 they are timed in;
+     formats are compared in float32 (llama.cpp's activation dtype) and in the bfloat16 they are timed in.
+     llama.cpp with its flash attention off runs the same comparisons against llama.cpp's default: the
+     agreement that one changed kernel inside the same engine reaches, as the yardstick;
   5. where the two part, stage by stage: labkit's q4_1 model (float32) fed llama.cpp's own input to
      each stage of every layer (read through llama.cpp's eval callback), against llama.cpp's output
      of it: the Q4_1 projections, SwiGLU and attention, each alone.
@@ -217,7 +219,7 @@ class LlamaCpp:
     """One llama.cpp context on a GGUF file through llama-cpp-python's C API, greedy only."""
 
     def __init__(self, path, threads: int, n_ctx: int, n_batch: int, n_seq_max: int = 1, kv_unified: bool = False,
-                 taps: "Taps | None" = None):
+                 taps: "Taps | None" = None, flash_attention: bool | None = None):
         try:
             import llama_cpp
         except ImportError:
@@ -233,6 +235,8 @@ class LlamaCpp:
         params.n_ctx, params.n_batch, params.n_seq_max = n_ctx, n_batch, n_seq_max
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = kv_unified
+        if flash_attention is not None:  # else llama.cpp's default: on where the backend has the kernel
+            params.flash_attn_type = int(flash_attention)
         if taps is not None:
             self._taps = llama_cpp.ggml_backend_sched_eval_callback(taps.observe)  # kept alive: C holds it
             params.cb_eval = self._taps
@@ -476,9 +480,12 @@ def main():
     print(f"workload output tok/s: llama.cpp {tput['llama.cpp']:.1f}; " + "; ".join(
         f"labkit {f} {tput[f]:.1f} (ratio {tput[f] / tput['llama.cpp']:.2f})" for f in formats))
 
-    # 4. greedy agreement on chat prompts, from the same prompt ids
+    # 4. greedy agreement on chat prompts, from the same prompt ids; llama.cpp with its flash attention
+    # off, against its default, is the agreement two correct implementations of the model reach
     tokenizer = next(iter(llms.values())).tokenizer
-    prefixes = {f: [] for f in formats}  # per prompt: matching prefix, longer output, llama.cpp's margin there
+    own = "llama.cpp without flash attention"
+    unfused = LlamaCpp(path, args.threads, n_ctx=512, n_batch=512, flash_attention=False)
+    prefixes = {name: [] for name in [own, *formats]}  # per prompt: matching prefix, longer output, gap there
     logit_gap = dict.fromkeys(formats, 0.0)
     # along llama.cpp's text: every timed model, and the quantized formats also in llama.cpp's float32
     timed = {f: f"{f} {str(format_dtype(f, dtype)).removeprefix('torch.')}" for f in formats}
@@ -486,34 +493,41 @@ def main():
     models.update({f"{f} float32": LLM(path, device="cpu", dtype=torch.float32, weight_format=f).model
                    for f in formats if f != "dequantized" and format_dtype(f, dtype) != torch.float32})
     fp32 = f"dequantized {args.dtype}" if dtype == torch.float32 and "dequantized" in formats else None
-    versus_llama = {name: Agreement() for name in models}
+    versus_llama = {name: Agreement() for name in [own, *models]}
     versus_fp32 = {name: Agreement() for name in models if fp32 and name != fp32}
     chats = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                             add_generation_prompt=True)) for question in CHAT_QUESTIONS]
     for ids in chats:
         reference = single.generate(ids, args.agreement_tokens, stop_at_eos=True)
         reference_logits = single.forced_logits(ids, reference)
-        for f, llm in llms.items():
-            got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
-            got = got.outputs[0].token_ids
+        greedy_text = {own: unfused.generate(ids, args.agreement_tokens, stop_at_eos=True)}
+        greedy_text.update({f: llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
+                           .outputs[0].token_ids for f, llm in llms.items()})
+        for name, got in greedy_text.items():
             m = matching_prefix(got, reference)
             margin = top2_margin(single.prefill(ids + reference[:m])) if m < min(len(got), len(reference)) else None
-            prefixes[f].append((m, max(len(got), len(reference)), margin))
+            prefixes[name].append((m, max(len(got), len(reference)), margin))
         forced = {name: forced_logits(model, ids, reference) for name, model in models.items()}
+        forced[own] = unfused.forced_logits(ids, reference)
         for f in formats:  # the first row: after the prompt
             logit_gap[f] = max(logit_gap[f], (forced[timed[f]][0] - reference_logits[0]).abs().max().item())
-        for name in models:
-            versus_llama[name].add(reference_logits, forced[name])
+        for name, agreement in versus_llama.items():
+            agreement.add(reference_logits, forced[name])
             if name in versus_fp32:
                 versus_fp32[name].add(forced[fp32], forced[name])
     single.close()
+    unfused.close()
     print(f"greedy agreement with llama.cpp on {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens per "
-          "prompt, and where they part llama.cpp's own gap between its top two logits; max |logit difference| "
-          "after the prompt): " + "; ".join(
-              f"{f} {', '.join(agreement_note(*p) for p in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
+          "prompt, and where they part llama.cpp's own gap between its top two logits; for labkit, max |logit "
+          f"difference| after the prompt): {own} {', '.join(agreement_note(*p) for p in prefixes[own])}; " + "; ".join(
+              f"labkit {f} {', '.join(agreement_note(*p) for p in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
     agree = [f for f in formats if all(m == n for m, n, _ in prefixes[f])]
     print(f"formats whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
-    print("along llama.cpp's greedy text, labkit fed the same tokens, against llama.cpp: " + "; ".join(
+    as_far = [f for f in formats if all(mine[0] >= theirs[0] for mine, theirs in zip(prefixes[f], prefixes[own],
+                                                                                     strict=True))]
+    print(f"formats whose greedy tokens follow llama.cpp's at least as far as {own} does, on every prompt: "
+          f"{', '.join(as_far) or 'none'}")
+    print("along llama.cpp's greedy text, each fed the same tokens, against llama.cpp: " + "; ".join(
         f"{name} {a}" for name, a in versus_llama.items()))
     if versus_fp32:
         print(f"along the same text, against labkit's {fp32} model of the dequantized weights: " + "; ".join(
