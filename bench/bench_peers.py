@@ -8,16 +8,16 @@ Prints, each as a ratio labkit/llama.cpp measured in the same run, for every lab
      request generating exactly its length), llama.cpp driven through its own batch API: one
      `llama_batch` per step holding several sequence ids, finished sequences replaced at once
      (continuous batching, as llama.cpp's `parallel` example does it);
-  4. greedy agreement on a few chat prompts: the tokens both generate from the same prompt ids
-     (matching prefix / longer output) and the largest logit difference at the prompt's last position;
-     then, along llama.cpp's own greedy text (each labkit model fed llama.cpp's tokens, one a step
-     through a KV cache, so that one split does not change every later context), how often labkit's
-     top token is llama.cpp's (the "same top" figure of llama.cpp's KL-divergence tool), llama.cpp's
-     top-two gap where it is not, the mean KL divergence and the largest logit difference; the same
-     for each quantized format against labkit's fp32 model of the dequantized weights. The quantized
-     formats are compared in float32 (llama.cpp's activation dtype) and in the bfloat16 they are timed in.
-     llama.cpp with its flash attention off runs the same comparisons against llama.cpp's default: the
-     agreement that one changed kernel inside the same engine reaches, as the yardstick;
+  4. agreement on a few chat prompts, for each labkit engine (the timed ones, and the quantized
+     formats also in float32, llama.cpp's activation dtype): the greedy tokens both generate from the
+     same prompt ids (matching prefix / longer output); then, along llama.cpp's own greedy text (each
+     labkit model fed llama.cpp's tokens, one a step through a KV cache, so that one split does not
+     change every later context), how often labkit's top token is llama.cpp's (the "same top" figure
+     of llama.cpp's KL-divergence tool), llama.cpp's top-two gap where it is not, the mean KL
+     divergence and the largest logit difference; the same against labkit's fp32 model of the
+     dequantized weights. llama.cpp with its flash attention off runs the same comparisons against
+     llama.cpp's default: the agreement one changed kernel inside the same engine reaches, as the
+     yardstick;
   5. where the two part, stage by stage: labkit's q4_1 model (float32) fed llama.cpp's own input to
      each stage of every layer (read through llama.cpp's eval callback), against llama.cpp's output
      of it: the Q4_1 projections, SwiGLU and attention, each alone.
@@ -480,60 +480,56 @@ def main():
     print(f"workload output tok/s: llama.cpp {tput['llama.cpp']:.1f}; " + "; ".join(
         f"labkit {f} {tput[f]:.1f} (ratio {tput[f] / tput['llama.cpp']:.2f})" for f in formats))
 
-    # 4. greedy agreement on chat prompts, from the same prompt ids; llama.cpp with its flash attention
-    # off, against its default, is the agreement two correct implementations of the model reach
+    # 4. agreement with llama.cpp on chat prompts, from the same prompt ids: every timed engine, and the
+    # quantized formats also in float32, llama.cpp's activation dtype. llama.cpp with its flash attention
+    # off, against its default, is the agreement two correct implementations of the model reach.
     tokenizer = next(iter(llms.values())).tokenizer
+    name = {f: f"{f} {str(format_dtype(f, dtype)).removeprefix('torch.')}" for f in formats}
+    engines = {name[f]: llm for f, llm in llms.items()}
+    engines.update({f"{f} float32": LLM(path, device="cpu", dtype=torch.float32, weight_format=f)
+                    for f in formats if format_dtype(f, dtype) != torch.float32})
     own = "llama.cpp without flash attention"
     unfused = LlamaCpp(path, args.threads, n_ctx=512, n_batch=512, flash_attention=False)
-    prefixes = {name: [] for name in [own, *formats]}  # per prompt: matching prefix, longer output, gap there
-    logit_gap = dict.fromkeys(formats, 0.0)
-    # along llama.cpp's text: every timed model, and the quantized formats also in llama.cpp's float32
-    timed = {f: f"{f} {str(format_dtype(f, dtype)).removeprefix('torch.')}" for f in formats}
-    models = {timed[f]: llm.model for f, llm in llms.items()}
-    models.update({f"{f} float32": LLM(path, device="cpu", dtype=torch.float32, weight_format=f).model
-                   for f in formats if f != "dequantized" and format_dtype(f, dtype) != torch.float32})
+    prefixes = {e: [] for e in [own, *engines]}  # per prompt: matching prefix, longer output, llama.cpp's gap there
     fp32 = f"dequantized {args.dtype}" if dtype == torch.float32 and "dequantized" in formats else None
-    versus_llama = {name: Agreement() for name in [own, *models]}
-    versus_fp32 = {name: Agreement() for name in models if fp32 and name != fp32}
+    versus_llama = {e: Agreement() for e in [own, *engines]}
+    versus_fp32 = {e: Agreement() for e in engines if fp32 and e != fp32}
     chats = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                             add_generation_prompt=True)) for question in CHAT_QUESTIONS]
     for ids in chats:
         reference = single.generate(ids, args.agreement_tokens, stop_at_eos=True)
         reference_logits = single.forced_logits(ids, reference)
         greedy_text = {own: unfused.generate(ids, args.agreement_tokens, stop_at_eos=True)}
-        greedy_text.update({f: llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
-                           .outputs[0].token_ids for f, llm in llms.items()})
-        for name, got in greedy_text.items():
+        greedy_text.update({e: llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.agreement_tokens))[0]
+                           .outputs[0].token_ids for e, llm in engines.items()})
+        for e, got in greedy_text.items():
             m = matching_prefix(got, reference)
             margin = top2_margin(single.prefill(ids + reference[:m])) if m < min(len(got), len(reference)) else None
-            prefixes[name].append((m, max(len(got), len(reference)), margin))
-        forced = {name: forced_logits(model, ids, reference) for name, model in models.items()}
+            prefixes[e].append((m, max(len(got), len(reference)), margin))
+        forced = {e: forced_logits(llm.model, ids, reference) for e, llm in engines.items()}
         forced[own] = unfused.forced_logits(ids, reference)
-        for f in formats:  # the first row: after the prompt
-            logit_gap[f] = max(logit_gap[f], (forced[timed[f]][0] - reference_logits[0]).abs().max().item())
-        for name, agreement in versus_llama.items():
-            agreement.add(reference_logits, forced[name])
-            if name in versus_fp32:
-                versus_fp32[name].add(forced[fp32], forced[name])
+        for e, agreement in versus_llama.items():
+            agreement.add(reference_logits, forced[e])
+            if e in versus_fp32:
+                versus_fp32[e].add(forced[fp32], forced[e])
     single.close()
     unfused.close()
     print(f"greedy agreement with llama.cpp on {len(CHAT_QUESTIONS)} chat prompts (matching prefix / tokens per "
-          "prompt, and where they part llama.cpp's own gap between its top two logits; for labkit, max |logit "
-          f"difference| after the prompt): {own} {', '.join(agreement_note(*p) for p in prefixes[own])}; " + "; ".join(
-              f"labkit {f} {', '.join(agreement_note(*p) for p in prefixes[f])} ({logit_gap[f]:.3f})" for f in formats))
-    agree = [f for f in formats if all(m == n for m, n, _ in prefixes[f])]
-    print(f"formats whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
-    as_far = [f for f in formats if all(mine[0] >= theirs[0] for mine, theirs in zip(prefixes[f], prefixes[own],
+          "prompt, and where they part llama.cpp's own gap between its top two logits): " + "; ".join(
+              f"{e} {', '.join(agreement_note(*p) for p in prefixes[e])}" for e in prefixes))
+    agree = [e for e in engines if all(m == n for m, n, _ in prefixes[e])]
+    print(f"labkit engines whose greedy tokens match llama.cpp's on every prompt: {', '.join(agree) or 'none'}")
+    as_far = [e for e in engines if all(mine[0] >= theirs[0] for mine, theirs in zip(prefixes[e], prefixes[own],
                                                                                      strict=True))]
-    print(f"formats whose greedy tokens follow llama.cpp's at least as far as {own} does, on every prompt: "
+    print(f"labkit engines whose greedy tokens follow llama.cpp's at least as far as {own} does, on every prompt: "
           f"{', '.join(as_far) or 'none'}")
     print("along llama.cpp's greedy text, each fed the same tokens, against llama.cpp: " + "; ".join(
-        f"{name} {a}" for name, a in versus_llama.items()))
+        f"{e} {a}" for e, a in versus_llama.items()))
     if versus_fp32:
         print(f"along the same text, against labkit's {fp32} model of the dequantized weights: " + "; ".join(
-            f"{name} {a}" for name, a in versus_fp32.items()))
-    if "q4_1 float32" in models and int8_dot.available():
-        worst, layers = stage_differences(path, models["q4_1 float32"], chats[0], args.threads)
+            f"{e} {a}" for e, a in versus_fp32.items()))
+    if "q4_1 float32" in engines and int8_dot.available():
+        worst, layers = stage_differences(path, engines["q4_1 float32"].model, chats[0], args.threads)
         print(f"labkit q4_1 float32, each stage fed llama.cpp's own input to it ({len(chats[0])}-token prompt, "
               f"{layers} layers; largest |difference| from llama.cpp's output, relative to its largest value): "
               + "; ".join(f"{stage} {relative:.1e}" for stage, relative in worst.items()))
