@@ -47,7 +47,7 @@ from bench_engine import decode_speeds, time_it, workload  # noqa: E402
 from labkit.cache.kv_cache import KVCache  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
 from labkit.model import int8_dot  # noqa: E402
-from labkit.model.generate import step_metadata  # noqa: E402
+from labkit.model.generate import last_token_logits  # noqa: E402
 from labkit.model.weight_formats import WEIGHT_FORMATS, linear_kernel  # noqa: E402
 from labkit.registry import resolve_model_path  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
@@ -112,15 +112,10 @@ def forced_logits(model, prompt: list[int], continuation: list[int]) -> torch.Te
     """The model's scores before each token of `continuation` [len, vocab] when it is fed that
     continuation instead of its own choices: the prompt in one step, then one token a step through a
     contiguous KV cache, the way decoding runs (the quantized formats' integer kernels included)."""
-    cache, cached, rows = KVCache(model.config.num_layers), 0, []
+    cache = KVCache(model.config.num_layers)
     with torch.inference_mode():
-        for step in [prompt] + [[t] for t in continuation[:-1]]:
-            positions = torch.arange(cached, cached + len(step))
-            hidden = model.forward_hidden(torch.tensor(step), positions, step_metadata(1, len(step), cached, "cpu"),
-                                          cache)
-            rows.append(model.compute_logits(hidden[-1:])[0].float())
-            cached += len(step)
-    return torch.stack(rows)
+        return torch.stack([last_token_logits(model, torch.tensor([step]), cache.seq_len, cache)[0].float()
+                            for step in [prompt] + [[t] for t in continuation[:-1]]])
 
 
 def best_times(runs: dict, rounds: int) -> dict:

@@ -18,7 +18,7 @@ def step_metadata(batch: int, new: int, cached: int, device) -> AttentionMetadat
     return AttentionMetadata(cu_q, cu_k, new, cached + new)
 
 
-def _last_token_logits(model, ids: torch.Tensor, cached: int, backend) -> torch.Tensor:
+def last_token_logits(model, ids: torch.Tensor, cached: int, backend) -> torch.Tensor:
     """Run ids [B, n] at positions cached..cached+n-1; logits [B, vocab] of each last token."""
     B, n = ids.shape
     positions = torch.arange(cached, cached + n, device=ids.device).repeat(B)
@@ -51,11 +51,11 @@ def generate(model, prompt_ids, max_new_tokens: int, kv_cache=None,
     new_tokens, finished = [], torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for _ in range(max_new_tokens):
         if kv_cache is None:  # recompute the whole sequence so far
-            logits = _last_token_logits(model, ids, 0, dense_attention)
+            logits = last_token_logits(model, ids, 0, dense_attention)
         elif not new_tokens:  # prefill: the prompt, once
-            logits = _last_token_logits(model, ids, 0, kv_cache)
+            logits = last_token_logits(model, ids, 0, kv_cache)
         else:  # decode: only the newest token; the cache holds everything before it
-            logits = _last_token_logits(model, ids[:, -1:], ids.shape[1] - 1, kv_cache)
+            logits = last_token_logits(model, ids[:, -1:], ids.shape[1] - 1, kv_cache)
         token = logits.argmax(dim=-1)
         if eos_token_id is not None:
             token = torch.where(finished, eos_token_id, token)
