@@ -29,6 +29,7 @@ help:
 	@echo "make check               everything CI runs: setup, tests, nbval, drift and grading self-check"
 	@echo "make check LABS=<dir>    grade one student (a folder of notebooks) or a class (a folder of student"
 	@echo "                         folders) in sandboxed kernels: table, $(REPORT) and a CSV next to it"
+	@echo "                         (GRADE_ARGS=--help for the limits and --no-sandbox)"
 	@echo "make notebooks           regenerate notebooks/ from solutions/"
 	@echo "make execute             re-run solutions/ in place (stored outputs), then make notebooks"
 	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"
@@ -73,7 +74,7 @@ selfcheck: setup
 	$(BIN)/python -m labkit.grading selfcheck --jobs $(JOBS)
 
 grade: setup
-	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS)
+	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS) $(GRADE_ARGS)
 
 ifdef LABS
 check: grade

@@ -1,38 +1,36 @@
-"""Students' notebooks try to forge their scores (issue 11): every attack must fail.
+"""A hostile class against `python -m labkit.grading grade` (issues 11 and 29): every attack must fail.
 
-The class attacks run through the real command, `python -m labkit.grading grade`, in a temporary
-copy of the course (labkit imported from the copy, so an attack that escapes can only damage the
-copy), one small lab-00 notebook per student. Tripwires, the channel and the codec are also
-checked in-process and against one real kernel.
+Each class is graded through the real command in a temporary copy of the course (labkit imported from
+the copy, which is a git checkout with solutions, so an attack that escapes can only damage the copy),
+in every containment mode this machine offers: bubblewrap (as root, a uid of its own per kernel), no
+sandbox when asked for by name, and a refusal when bubblewrap is missing or broken. Students are
+lab-00 notebooks (quick to run); their attack cells avoid what the course rules refuse outright
+(`labkit.grading.rules`), so that the sandbox and the trusted side are what stop them. The pieces
+(codec, channel, rules, fingerprint) are tested one by one in test_grading_channel.py.
 """
 
+import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
-from collections import OrderedDict, deque
 from pathlib import Path
 
 import nbformat
 import pytest
-import torch
 
-from labkit.cache.block_manager import Block
-from labkit.grading import ExerciseFailed, exercise, require, sandbox
-from labkit.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
-from labkit.grading.core import _REGISTRY, exercises, get_exercise, run_exercise
-from labkit.grading.forbidden import static_violations
+from labkit.grading import sandbox
+from labkit.grading.core import exercises
 from labkit.grading.integrity import COURSE_ROOT
-from labkit.sampling import filter_logits
 
 GOOD = "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n    return e / e.sum(-1, keepdim=True)"
 WRONG = "def softmax(x):\n    return x"
 MARKER = "labkit-attack-marker-7f3a"
-CONTAINED = sandbox.mode() != "plain"
-NOT_CONTAINED = "no OS sandbox and not root here: the README says this is not contained"
+SECRET = "instructor-secret-9c1e"
+BWRAP = sandbox.bwrap_problem() is None
+NO_BWRAP = f"bubblewrap does not work here: {sandbox.bwrap_problem()}"
 
 
 def _notebook(folder: Path, name: str, *cells: str) -> Path:
@@ -44,21 +42,30 @@ def _notebook(folder: Path, name: str, *cells: str) -> Path:
 
 
 def _course_copy(root: Path) -> Path:
+    """labkit, the solutions and the handed-out notebooks in a git checkout, with an instructor's secret."""
     course = root / "course"
     shutil.copytree(COURSE_ROOT / "labkit", course / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(COURSE_ROOT / "solutions", course / "solutions")
+    for folder in ("solutions", "notebooks"):
+        shutil.copytree(COURSE_ROOT / folder, course / folder)
     for name in ("pyproject.toml", "Makefile", "requirements.txt"):
         shutil.copy(COURSE_ROOT / name, course / name)
     (course / "victim.txt").write_text("a file outside every student's folder\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(course)]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "course"]):
+        subprocess.run(git + command, check=True, capture_output=True)
+    secret = course / "instructor-notes.txt"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
     return course
 
 
-def _grade(course: Path, klass: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+def _grade(course: Path, klass: Path, *options: str, env: dict | None = None, timeout: int = 600):
     report = course / "reports" / "grades.json"
-    env = {**os.environ, "PYTHONPATH": str(course), "OMP_NUM_THREADS": "1"}
+    report.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(course), "OMP_NUM_THREADS": "1", **(env or {})}
     done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(klass), "--report", str(report),
-                           "--jobs", "2", "--cell-timeout", "20"],
-                          cwd=course, env=env, capture_output=True, text=True, timeout=600)
+                           "--jobs", "2", "--cell-timeout", "20", "--call-timeout", "10", *options],
+                          cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
     return done, json.loads(report.read_text()) if report.exists() else None
 
 
@@ -67,436 +74,393 @@ def _marked_processes() -> list[int]:
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and MARKER.encode() in (entry / "cmdline").read_bytes() \
-                    and entry.stat().st_uid is not None and (entry / "stat").read_text().split()[2] != "Z":
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 found.append(int(entry.name))
         except OSError:
             continue
     return found
 
 
-@pytest.fixture(scope="module")
-def attacked(tmp_path_factory):
-    root = tmp_path_factory.mktemp("attacks")
-    course = _course_copy(root)
-    klass = root / "class"
-    report = course / "reports" / "grades.json"
-    _notebook(klass / "patcher", "00_setup.ipynb", "import torch", WRONG,
-              "import labkit.grading.core as core\nimport labkit.grading.report as report\n"
-              "def full_marks(ex, ns):\n    return core.Outcome(ex.lab, ex.name, ex.points, ex.points, 'forged')\n"
-              "core.run_exercise = report.run_exercise = full_marks\n"
-              "torch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True")
-    _notebook(klass / "patcher", "00_setup (1).ipynb", "import torch", WRONG)
-    forged = json.dumps([{"lab": "00", "name": "softmax", "points": 99, "max_points": 1, "message": "forged",
-                          "missing": None}])
-    _notebook(klass / "hooker", "00_setup.ipynb", "import torch",
-              "def softmax(x):\n    raise ValueError('\\x1b[2J\\x1b[31mred\\x1b[0m\\rcarriage\\x07')",
-              f"import json\nforged = {forged!r}\n"
-              "def forge(*args):\n    print(forged)\n    print('total 99/1')\n"
-              "    print(json.dumps({'points': 99, 'max_points': 1}))\n"
-              "get_ipython().events.register('post_run_cell', forge)\n"
-              "get_ipython().events.register('pre_run_cell', forge)")
-    _notebook(klass / "printer", "Copy of 00_setup.ipynb", "import torch", 'print(".", end="")',
-              "for _ in range(40):\n    print('x' * 100_000)",
-              GOOD.replace("def softmax(x):\n", "def softmax(x):\n    print('.', end='')\n"))
-    (klass / "printer" / "01_text_to_tensors.ipynb").write_text("{ this is not a notebook")
-    _notebook(klass / "printer", "my_notes.ipynb", "1 + 1")
-    _notebook(klass / "specialist", "00_setup.ipynb", "import torch",
-              "def softmax(x):\n    return torch.special.softmax(x, -1)")
-    _notebook(klass / "aliaser", "00_setup.ipynb", "import torch\nfrom torch.nn.functional import softmax as sm",
-              "def softmax(x):\n    return sm(x, -1)")
-    (klass / "linker").mkdir()
-    (klass / "linker" / "00_setup.ipynb").symlink_to(course / "solutions" / "00_setup.ipynb")
-    listener = socket.create_server(("127.0.0.1", 0))
-    _notebook(klass / "spawner", "00_setup.ipynb", "import torch", GOOD,
-              f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), "
-              "timeout=3).sendall(b'out')\nexcept OSError as error:\n    print('no network:', error)",
-              "import os, subprocess, sys\n"
-              f"try:\n    os.remove({str(course / 'victim.txt')!r})\nexcept OSError as error:\n"
-              "    print('remove failed:', error)\n"
-              "rewrite = ('import pathlib, time\\n'\n"
-              "           'for _ in range(150):\\n'\n"
-              "           '    time.sleep(0.1)\\n'\n"
-              f"           '    try: pathlib.Path({str(report)!r}).write_text(\"{{}}\")\\n'\n"
-              "           '    except OSError: pass\\n')\n"
-              f"subprocess.Popen([sys.executable, '-c', rewrite, {MARKER!r}], start_new_session=True,\n"
-              "                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-              f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1000)', {MARKER!r}])")
-    _notebook(klass / "sleeper", "00_setup.ipynb", "import torch", GOOD, "import time\ntime.sleep(1000)",
-              "def never_defined():\n    pass")
-    _notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
-    if CONTAINED:
-        _tamper(klass)
-    lab00_before = (course / "labkit" / "grading" / "labs" / "lab00.py").read_text()
-    started = time.monotonic()
-    done, data = _grade(course, klass)
-    elapsed = time.monotonic() - started
-    survivors = _marked_processes()
-    listener.setblocking(False)
-    try:
-        listener.accept()
-        reached_network = True
-    except BlockingIOError:
-        reached_network = False
-    listener.close()
-    rows = {s["student"]: s for s in data["students"]} if data else {}
-    return {"course": course, "done": done, "data": data, "students": rows, "survivors": survivors,
-            "elapsed": elapsed, "report": report, "lab00_before": lab00_before, "network": reached_network}
+def _students(data: dict) -> dict:
+    return {s["student"]: s for s in data["students"]}
 
 
-def _lab(attacked, student: str, lab: str = "00") -> dict:
-    labs = [row for row in attacked["students"][student]["labs"] if row["lab"] == lab and row["exercises"]]
+def _lab(students: dict, student: str, lab: str = "00") -> dict:
+    labs = [row for row in students[student]["labs"] if row["lab"] == lab and row["exercises"]]
     assert len(labs) == 1, labs
     return labs[0]
 
 
-def _softmax(attacked, student: str) -> dict:
-    return _lab(attacked, student)["exercises"][0]
+def _softmax(students: dict, student: str) -> dict:
+    return _lab(students, student)["exercises"][0]
 
 
-def test_the_class_is_graded_and_a_lab00_only_folder_exits_nonzero(attacked):
-    done, data = attacked["done"], attacked["data"]
+# Cells of attack notebooks. `seen` collects what an attack could do; the student's softmax raises it,
+# so that it lands in the report's feedback, where the tests read it.
+RECORD = ("import os, json\nseen = {}\n"
+          "def attempt(name, action):\n    try:\n        seen[name] = repr(action())[:300]\n"
+          "    except BaseException as error:\n        seen[name] = type(error).__name__\n")
+SHOW = "def softmax(x):\n    raise ValueError('SEEN' + json.dumps(seen))"
+RUN = ("import asyncio\n"
+       "async def run(*argv, **kw):\n"
+       "    process = await asyncio.create_subprocess_exec(*argv, stdout=-1, stderr=-2, **kw)\n"
+       "    out, _ = await process.communicate()\n"
+       "    return process.returncode, out.decode()[-100:]\n")
+
+
+def _detached_rewriter(report: Path) -> str:
+    """A cell that starts a process which double-forks into a session of its own (out of the kernel's
+    process tree and group) and then rewrites the report every 0.1 s for 30 s."""
+    code = ("import os, pathlib, time\n"
+            "if os.fork():\n    os._exit(0)\n"
+            "os.setsid()\n"
+            "if os.fork():\n    os._exit(0)\n"
+            "for _ in range(300):\n    time.sleep(0.1)\n"
+            f"    try:\n        pathlib.Path({str(report)!r}).write_text('{{}}')\n"
+            "    except OSError:\n        pass\n")
+    return f"import asyncio, sys\nawait asyncio.create_subprocess_exec(sys.executable, '-c', {code!r}, {MARKER!r})"
+
+
+def _seen(students: dict, student: str) -> dict:
+    feedback = _softmax(students, student)["feedback"]
+    assert "SEEN" in feedback, feedback
+    return json.loads(feedback.split("SEEN", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def bwrap_class(tmp_path_factory):
+    """A class graded as root (or as this user) with bubblewrap."""
+    if not BWRAP:
+        pytest.skip(NO_BWRAP)
+    root = tmp_path_factory.mktemp("attacks")
+    course = _course_copy(root)
+    klass = root / "class"
+    report_dir = course / "reports"
+    _notebook(klass / "victim", "00_setup.ipynb", "import torch", GOOD)
+    victim_hash = hashlib.sha256((klass / "victim" / "00_setup.ipynb").read_bytes()).hexdigest()
+    site_packages = Path(sys.prefix) / "lib"
+    # escape: mounts, capabilities, the course, the classmate, the report, the venv
+    _notebook(klass / "escaper", "00_setup.ipynb", "import torch", RECORD, RUN,
+              "attempt('ids', lambda: [os.getuid(), os.geteuid(), os.getgroups()])\n"
+              "status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)\n"
+              "seen['caps'] = [status[k].strip() for k in ('CapEff', 'CapBnd', 'NoNewPrivs')]\n"
+              "seen['umount'] = await run('umount', '/tmp')\n"
+              "seen['remount'] = await run('mount', '-o', 'remount,rw', '/')\n"
+              "seen['nested'] = await run('unshare', '-Urm', 'sh', '-c', 'umount -l /tmp && ls /tmp')\n"
+              f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}, 'a').write('x'))\n"
+              f"attempt('report', lambda: open({str(report_dir / 'grades.json')!r}, 'w').write('{{}}'))\n"
+              f"attempt('checkout', lambda: os.remove({str(course / 'victim.txt')!r}))\n"
+              f"attempt('grader', lambda: open({str(course / 'labkit/grading/core.py')!r}, 'a').write('#'))\n"
+              f"attempt('venv', lambda: open({str(site_packages / 'zz_attack.pth')!r}, 'w').write('import os'))\n"
+              "attempt('big_file', lambda: open('big', 'wb').write(b'x' * (600 * 2**20)))\n"
+              "import socket\nattempt('network', lambda: socket.create_connection(('1.1.1.1', 53), timeout=3))",
+              SHOW)
+    # reading what is hidden: .git, solutions, graders, the instructor's file, classmates, the parent
+    _notebook(klass / "reader", "00_setup.ipynb", "import torch", RECORD, RUN,
+              f"course = {str(course)!r}\n"
+              "attempt('git', lambda: open(course + '/.git/HEAD').read())\n"
+              "seen['git_show'] = await run('git', '-C', course, 'show', 'HEAD:solutions/00_setup.ipynb')\n"
+              "attempt('solution', lambda: open(course + '/solutions/00_setup.ipynb').read()[:50])\n"
+              "attempt('grader', lambda: open(course + '/labkit/grading/labs/lab00.py').read()[:50])\n"
+              "attempt('secret', lambda: open(course + '/instructor-notes.txt').read())\n"
+              f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}).read()[:50])\n"
+              f"attempt('class', lambda: os.listdir({str(klass)!r}))\n"
+              "attempt('root', lambda: os.listdir('/root'))\n"
+              f"attempt('cmdlines', lambda: any({str(klass)!r}.encode() in open(f'/proc/{{p}}/cmdline', 'rb').read()\n"
+              "                             for p in os.listdir('/proc') if p.isdigit()))\n",
+              SHOW)
+    # stalling and exhausting the trusted side
+    _notebook(klass / "half_frame", "00_setup.ipynb", "import torch", GOOD,
+              "import socket, time\nsend = socket.socket.sendall\n"
+              "def stall(self, data, *args):\n    if len(data) > 64:\n        send(self, data[:40])\n"
+              "        time.sleep(1000)\n    return send(self, data, *args)\nsocket.socket.sendall = stall")
+    _notebook(klass / "collider", "00_setup.ipynb", "import torch",
+              "def softmax(x):\n    return {1 + k * (2**61 - 1) for k in range(30_000)}")
+    _notebook(klass / "broadcaster", "00_setup.ipynb", "import torch",
+              "def softmax(x):\n    return torch.zeros(1).expand(2**31)")
+    _notebook(klass / "blank_lines", "00_setup.ipynb", "import torch", "\n" * 200_000 + GOOD)
+    _notebook(klass / "flooder", "00_setup.ipynb", "import torch", GOOD,
+              "from IPython.display import display\nhandle = display('x', display_id=True)\n"
+              "for _ in range(300):\n    handle.update('y' * 200_000)",
+              "print('z' * 20_000_000)", "import os\nos.write(1, b'w' * 10_000_000)")
+    _notebook(klass / "big_error", "00_setup.ipynb", "import torch", WRONG,
+              "import json\nreal = json.dumps\n"
+              "def bigger(obj, *args, **kwargs):\n"
+              "    if isinstance(obj, dict) and 'nonce' in obj and 'updates' in obj:\n"
+              "        obj = {'nonce': obj['nonce'], 'error': {'type': 'ValueError', 'message': 'E' * 50_000_000}}\n"
+              "    return real(obj, *args, **kwargs)\njson.dumps = bigger")
+    # forging the score or the table
+    _notebook(klass / "patcher", "00_setup.ipynb", "import torch", WRONG,
+              "import json\ntorch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True\n"
+              "print(json.dumps({'points': 99, 'max_points': 1}))")
+    _notebook(klass / "printer", "00_setup.ipynb", "import torch",
+              "def softmax(x):\n    raise ValueError('\\x1b[2J\\x1b[31mred\\x1b[0m\\rcarriage\\x07')",
+              "print('student  00  softmax  1/1  ✔ forged')\nprint('total 99/1')")
+    forged = "00_setup\nvictim   00   softmax  1∕1  ✔ forged\ntotal 93∕93\x1b[2K.ipynb"
+    _notebook(klass / "namer", forged, "import torch", GOOD)
+    _notebook(klass / "namer", "00_setup.ipynb", "import torch", WRONG)
+    _notebook(klass / "namer", "Copy of 00_setup.ipynb", "import torch", WRONG)
+    (klass / "namer" / "01_text_to_tensors.ipynb").write_text("{ this is not a notebook")
+    _notebook(klass / "namer", "my_notes.ipynb", "1 + 1")
+    (klass / "linker").mkdir()
+    (klass / "linker" / "00_setup.ipynb").symlink_to(course / "solutions" / "00_setup.ipynb")
+    # tripwires
+    _notebook(klass / "specialist", "00_setup.ipynb", "import torch",
+              "def softmax(x):\n    return torch.special.softmax(x, -1)")
+    _notebook(klass / "aliaser", "00_setup.ipynb", "import torch\nfrom torch.nn.functional import softmax as sm",
+              "def softmax(x):\n    return sm(x, -1)")
+    for name, cell in BYPASSES.items():
+        _notebook(klass / name, "00_setup.ipynb", "import torch", cell, WRONG)
+    # processes and time
+    _notebook(klass / "spawner", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report_dir / "grades.json"))
+    _notebook(klass / "sleeper", "00_setup.ipynb", "import torch", GOOD, "import time\ntime.sleep(1000)",
+              "def never_defined():\n    pass")
+    _notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
+    started = time.monotonic()
+    done, data = _grade(course, klass)
+    elapsed = time.monotonic() - started
+    survivors = _marked_processes()
+    time.sleep(1.0)  # a surviving rewriter would rewrite the report within 0.1 s
+    return {"course": course, "klass": klass, "done": done, "data": data, "students": _students(data) if data else {},
+            "survivors": survivors, "elapsed": elapsed, "report": report_dir / "grades.json",
+            "victim_hash": victim_hash, "site_packages": site_packages}
+
+
+# The five ways around the tripwires a red team found (issue 29), each in a cell of its own.
+BYPASSES = {
+    "getsource": "import inspect\nfrom labkit import sampling\nexec(inspect.getsource(sampling.filters))",
+    "code_copy": "import torch.nn.functional as F\ncopy = type(lambda: 0)(F.softmax.__code__, F.softmax.__globals__)",
+    "reloader": "import importlib, torch\nimportlib.reload(torch.nn.functional)",
+    "restorer": "def restore():\n    import gc\n    return [o for o in gc.get_objects() if hasattr(o, '_saved')]",
+    "key_reader": "from labkit.grading.labs import lab00\nanswers = dict(lab00.QUESTIONS)",
+}
+
+
+def test_the_class_is_graded_and_a_lab00_only_folder_exits_nonzero(bwrap_class):
+    done, data = bwrap_class["done"], bwrap_class["data"]
     assert data is not None, done.stderr[-3000:]
     assert done.returncode == 1, done.stderr[-3000:]
-    assert set(attacked["students"]) - {"tamperer", "later"} == {
-        "patcher", "hooker", "printer", "specialist", "aliaser", "linker", "spawner", "sleeper", "crasher"}
-    printer = attacked["students"]["printer"]
-    all_labs = {row["lab"] for row in printer["labs"] if row["exercises"]}
+    assert data["sandbox"] == "bwrap"
+    namer = bwrap_class["students"]["namer"]
+    all_labs = {row["lab"] for row in namer["labs"] if row["exercises"]}
     assert all_labs == {ex.lab for ex in exercises()}, "every lab the course grades has a row"
-    assert printer["missing_labs"] == sorted({ex.lab for ex in exercises()} - {"00", "01"})
-    missing = _lab(attacked, "printer", "05")
-    assert missing["points"] == 0 and missing["max_points"] == sum(ex.points for ex in exercises("05"))
-    assert "no notebook for lab 05" in missing["note"] + missing["exercises"][0]["feedback"]
+    assert namer["missing_labs"] == sorted({ex.lab for ex in exercises()} - {"00", "01"})
 
 
-def test_replacing_run_exercise_and_torch_allclose_from_a_cell_earns_nothing(attacked):
-    softmax = _softmax(attacked, "patcher")
+def test_a_classmate_keeps_full_marks_and_an_untouched_notebook(bwrap_class):
+    students = bwrap_class["students"]
+    assert _softmax(students, "victim")["points"] == 1
+    victim = bwrap_class["klass"] / "victim" / "00_setup.ipynb"
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == bwrap_class["victim_hash"]
+
+
+def test_a_kernel_cannot_escape_bubblewrap_even_as_root(bwrap_class):
+    seen = _seen(bwrap_class["students"], "escaper")
+    uid, euid, groups = json.loads(seen["ids"])
+    if sandbox.is_root():
+        assert uid == euid >= sandbox.FIRST_UID and groups == [], "a uid of its own, in no group"
+    assert seen["caps"] == ["0000000000000000", "0000000000000000", "1"]
+    for attempt in ("umount", "remount", "nested"):
+        assert seen[attempt][0] != 0, (attempt, seen[attempt])
+    for attempt in ("classmate", "report", "checkout", "grader", "venv"):
+        assert seen[attempt] in ("FileNotFoundError", "PermissionError", "OSError"), (attempt, seen[attempt])
+    assert seen["big_file"] == "OSError", "its HOME is a tmpfs of limited size"
+    assert seen["network"] in ("OSError", "TimeoutError")
+    course = bwrap_class["course"]
+    assert (course / "victim.txt").exists() and not (course / "labkit/grading/core.py").read_text().endswith("#")
+    assert not (bwrap_class["site_packages"] / "zz_attack.pth").exists()
+
+
+def test_nothing_hidden_can_be_read(bwrap_class):
+    seen = _seen(bwrap_class["students"], "reader")
+    for attempt in ("git", "solution", "grader", "secret", "classmate", "class"):
+        assert seen[attempt] in ("FileNotFoundError", "PermissionError"), (attempt, seen[attempt])
+    python = Path(sys.base_prefix).resolve()  # /root holds nothing but the way to the interpreter, if that
+    assert seen["root"] == (repr([python.parts[2]]) if python.is_relative_to("/root") else "FileNotFoundError")
+    assert seen["git_show"][0] != 0
+    assert seen["cmdlines"] == "False", "the grader's command line (naming the class) is out of sight"
+    report = bwrap_class["report"].read_text()
+    assert SECRET not in report and "nbformat" not in json.dumps(seen)
+
+
+def test_half_a_reply_then_silence_costs_that_student_only(bwrap_class):
+    half = _lab(bwrap_class["students"], "half_frame")
+    assert half["points"] == 0 and "cut off" in half["exercises"][0]["feedback"]
+    assert half["seconds"] < 60, "the call's limit (10 s) and a grace, not forever"
+
+
+@pytest.mark.parametrize(("student", "reason"), [
+    ("collider", "share one hash"), ("broadcaster", "zero strides")])
+def test_a_reply_built_to_blow_up_the_grader_is_refused(bwrap_class, student, reason):
+    softmax = _softmax(bwrap_class["students"], student)
+    assert softmax["points"] == 0 and reason in softmax["feedback"]
+    assert _lab(bwrap_class["students"], student)["seconds"] < 60
+
+
+def test_a_cell_of_blank_lines_is_graded_at_once(bwrap_class):
+    lab = _lab(bwrap_class["students"], "blank_lines")
+    assert lab["points"] == 1 and lab["seconds"] < 60
+
+
+def test_floods_of_output_and_display_updates_cost_nothing(bwrap_class):
+    flooder = _lab(bwrap_class["students"], "flooder")
+    assert flooder["points"] == 1, flooder
+    assert bwrap_class["report"].stat().st_size < 2**20
+
+
+def test_a_50_mb_error_is_cut_where_it_enters(bwrap_class):
+    feedback = _softmax(bwrap_class["students"], "big_error")["feedback"]
+    assert feedback.startswith("your code raised ValueError: EEE") and len(feedback) <= 1000
+    assert "E" * 5000 not in bwrap_class["done"].stdout + bwrap_class["done"].stderr
+
+
+def test_patching_torch_and_printing_scores_earn_nothing(bwrap_class):
+    softmax = _softmax(bwrap_class["students"], "patcher")
     assert softmax["points"] == 0
     assert softmax["feedback"] == "the values are not exp(x) / sum(exp(x)) along the last dimension"
+    assert "forged" not in json.dumps(bwrap_class["students"]["printer"])
 
 
-def test_a_forged_json_line_from_an_ipython_hook_is_never_read(attacked):
-    hooker = attacked["students"]["hooker"]
-    assert _softmax(attacked, "hooker")["points"] == 0
-    assert "forged" not in json.dumps(hooker)
-
-
-def test_forged_totals_cannot_exceed_the_maximum(attacked):
-    data = attacked["data"]
+def test_forged_totals_cannot_exceed_the_maximum(bwrap_class):
+    data = bwrap_class["data"]
     for student in data["students"]:
         for lab in student["labs"]:
             assert all(0 <= e["points"] <= e["max_points"] for e in lab["exercises"])
             assert lab["points"] == sum(e["points"] for e in lab["exercises"]) <= lab["max_points"]
         assert student["points"] == sum(lab["points"] for lab in student["labs"])
     assert data["points"] == sum(s["points"] for s in data["students"]) <= data["max_points"]
-    table = attacked["done"].stdout.replace(str(attacked["course"]), "<course>")
-    assert "99" not in table.replace("0/1", ""), "a forged 99 reached the printed table"
 
 
-def test_feedback_is_plain_text(attacked):
-    feedback = _softmax(attacked, "hooker")["feedback"]
+def test_feedback_is_plain_text(bwrap_class):
+    feedback = _softmax(bwrap_class["students"], "printer")["feedback"]
     assert feedback.startswith("your code raised ValueError: red")
-    assert not any(ord(c) < 32 or c == "\x7f" for c in json.dumps(attacked["data"], ensure_ascii=False)
+    assert not any(ord(c) < 32 or c == "\x7f" for c in json.dumps(bwrap_class["data"], ensure_ascii=False)
                    .replace("\n", ""))
 
 
-def test_a_stray_print_neither_crashes_grading_nor_costs_points(attacked):
-    assert _softmax(attacked, "printer")["points"] == 1, "`Copy of 00_setup.ipynb` is recognised as lab 00"
+def test_a_file_name_cannot_forge_rows_in_the_table(bwrap_class):
+    lines = bwrap_class["done"].stdout.splitlines()
+    assert not any(line.startswith(("total", "victim   00")) or "\x1b" in line for line in lines)
+    assert any("00_setup\\nvictim   00   softmax  1∕1  ✔ forged\\ntotal 93∕93\\x1b[2K.ipynb" in line for line in lines)
+    victim_total = [line for line in lines if line.startswith("victim: total")]
+    assert victim_total == [f"victim: total 1/{sum(ex.points for ex in exercises())} (missing labs: "
+                            + ", ".join(sorted({ex.lab for ex in exercises()} - {"00"})) + ")"]
 
 
-def test_output_beyond_the_limit_is_dropped_and_said_so(attacked):
-    printer = _lab(attacked, "printer")
-    assert printer["points"] == 1 and "outputs beyond 2048 KiB were dropped" in printer["note"]
-
-
-def test_the_kernel_has_no_network_under_bubblewrap(attacked):
-    if sandbox.mode() != "bwrap":
-        pytest.skip("only bubblewrap cuts the network (README)")
-    assert not attacked["network"]
-
-
-def test_a_malformed_file_is_one_row_with_its_reason(attacked):
-    broken = _lab(attacked, "printer", "01")
-    assert broken["notebook"] == "01_text_to_tensors.ipynb" and broken["points"] == 0
-    assert "not a readable notebook" in broken["note"]
-    stray = [row for row in attacked["students"]["printer"]["labs"] if row["notebook"] == "my_notes.ipynb"]
+def test_malformed_files_duplicates_and_links_are_rows_with_reasons(bwrap_class):
+    students = bwrap_class["students"]
+    broken = _lab(students, "namer", "01")
+    assert broken["notebook"] == "01_text_to_tensors.ipynb" and "not a readable notebook" in broken["note"]
+    namer = students["namer"]
+    stray = [row for row in namer["labs"] if row["notebook"] == "my_notes.ipynb"]
     assert stray and "not named like a lab notebook" in stray[0]["note"]
-
-
-def test_duplicates_are_flagged_not_summed(attacked):
-    patcher = attacked["students"]["patcher"]
-    notes = [row["note"] for row in patcher["labs"] if row["lab"] == "00" and not row["exercises"]]
-    assert notes == ["duplicate: also handed in 00_setup (1).ipynb; only 00_setup.ipynb is graded"]
-    assert sum(row["max_points"] for row in patcher["labs"] if row["lab"] == "00") == \
-        sum(ex.points for ex in exercises("00"))
-
-
-def test_torch_special_softmax_is_caught_where_the_builtin_is_forbidden(attacked):
-    softmax = _softmax(attacked, "specialist")
-    assert softmax["points"] == 0 and "`torch.special.softmax` is what this exercise asks you to write" in \
-        softmax["feedback"]
-
-
-def test_an_alias_of_a_forbidden_function_is_caught(attacked):
-    softmax = _softmax(attacked, "aliaser")
-    assert softmax["points"] == 0 and "`torch.nn.functional.softmax`" in softmax["feedback"]
-
-
-def test_a_symlink_to_the_solutions_is_refused(attacked):
-    linked = _lab(attacked, "linker")
+    notes = [row["note"] for row in namer["labs"] if row["lab"] == "00" and not row["exercises"]]
+    assert len(notes) == 1 and notes[0].startswith("duplicate: also handed in ")
+    assert _lab(students, "namer")["notebook"] == "00_setup.ipynb", "the exact name is the one graded"
+    linked = _lab(students, "linker")
     assert linked["points"] == 0 and "symbolic link" in linked["note"]
 
 
-def test_a_timeout_keeps_the_points_earned_before_it_and_names_the_cell(attacked):
-    sleeper = _lab(attacked, "sleeper")
+def test_forbidden_functions_and_their_aliases_are_caught(bwrap_class):
+    students = bwrap_class["students"]
+    assert "`torch.special.softmax` is what this exercise asks you to write" in \
+        _softmax(students, "specialist")["feedback"]
+    assert "`torch.nn.functional.softmax`" in _softmax(students, "aliaser")["feedback"]
+    assert _softmax(students, "specialist")["points"] == _softmax(students, "aliaser")["points"] == 0
+
+
+@pytest.mark.parametrize("student", sorted(BYPASSES))
+def test_each_way_around_the_tripwires_fails_the_lab_by_the_rules(bwrap_class, student):
+    lab = _lab(bwrap_class["students"], student)
+    assert lab["points"] == 0 and "the course's rules forbid this" in lab["note"], lab
+    assert all(e["feedback"] == lab["note"] for e in lab["exercises"])
+    assert lab["seconds"] < 10, "decided from the notebook as handed in, without running it"
+
+
+def test_a_timeout_keeps_the_points_earned_before_it_and_names_the_cell(bwrap_class):
+    sleeper = _lab(bwrap_class["students"], "sleeper")
     assert sleeper["points"] == 1
     assert sleeper["note"].startswith("cell 3 ran out of time (the cell limit of 20 s)")
 
 
-def test_a_dead_kernel_keeps_the_points_earned_before_it_and_names_the_cell(attacked):
-    crasher = _lab(attacked, "crasher")
+def test_a_dead_kernel_keeps_the_points_earned_before_it_and_names_the_cell(bwrap_class):
+    crasher = _lab(bwrap_class["students"], "crasher")
     assert crasher["points"] == 1, crasher
     assert crasher["note"].startswith("cell 3 stopped the kernel")
 
 
-def test_spawned_and_detached_processes_are_killed(attacked):
-    if not CONTAINED:
-        pytest.skip(NOT_CONTAINED)
-    assert attacked["survivors"] == []
-    assert "survived" not in json.dumps(attacked["data"])
+def test_spawned_and_detached_processes_die_and_the_report_stays(bwrap_class):
+    assert bwrap_class["survivors"] == []
+    assert _softmax(bwrap_class["students"], "spawner")["points"] == 1
+    assert json.loads(bwrap_class["report"].read_text()) == bwrap_class["data"]
 
 
-def test_a_detached_process_cannot_rewrite_the_report_after_grading(attacked):
-    if not CONTAINED:
-        pytest.skip(NOT_CONTAINED)
-    time.sleep(1.0)  # the rewriter retries every 0.1 s for 15 s, if it is alive
-    assert json.loads(attacked["report"].read_text()) == attacked["data"]
+# --- without bubblewrap: refused, unless asked for by name ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    return _course_copy(tmp_path_factory.mktemp("course"))
 
 
-def test_deleting_a_file_outside_the_students_folder_fails(attacked):
-    if not CONTAINED:
-        pytest.skip(NOT_CONTAINED)
-    assert (attacked["course"] / "victim.txt").exists()
+def test_without_bubblewrap_grading_refuses_and_says_what_to_do(course, tmp_path):
+    _notebook(tmp_path / "class" / "alice", "00_setup.ipynb", "import torch", GOOD)
+    (tmp_path / "bin").mkdir()
+    missing, no_report = _grade(course, tmp_path / "class", env={"PATH": str(tmp_path / "bin")})
+    assert missing.returncode == 2 and no_report is None
+    assert "bubblewrap (bwrap) is not installed" in missing.stderr and "--no-sandbox" in missing.stderr
+    fake = tmp_path / "bin" / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    broken, no_report = _grade(course, tmp_path / "class", env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+    assert broken.returncode == 2 and no_report is None
+    assert "bwrap fails here (bwrap: setting up uid map: Permission denied)" in broken.stderr
 
 
-def _tamper(klass: Path) -> None:
+def test_with_no_sandbox_a_detached_process_is_killed_before_the_report(course, tmp_path):
+    report = course / "reports" / "grades.json"
+    klass = tmp_path / "class"
+    _notebook(klass / "alice", "00_setup.ipynb", "import torch", GOOD)
+    _notebook(klass / "mallory", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report))
+    done, data = _grade(course, klass, "--no-sandbox")
+    assert data is not None, done.stderr[-3000:]
+    assert data["sandbox"] == "none"
+    assert [_softmax(_students(data), s)["points"] for s in ("alice", "mallory")] == [1, 1]
+    assert _marked_processes() == []
+    time.sleep(1.0)
+    assert json.loads(report.read_text()) == data
+
+
+def test_with_no_sandbox_a_changed_course_stops_the_run(course, tmp_path):
     always_pass = '\n\n@exercise("00", "softmax")\ndef softmax(ns):\n    return "forged"\n'
-    _notebook(klass / "tamperer", "00_setup.ipynb", "import torch", WRONG,
-              f"import labkit.grading.labs.lab00 as lab00\nwith open(lab00.__file__, 'a') as f:\n"
-              f"    f.write({always_pass!r})")
-    _notebook(klass / "later", "00_setup.ipynb", "import torch", WRONG)
-
-
-def test_appending_an_always_pass_grader_to_the_course_cannot_help_anyone(attacked, tmp_path):
-    if CONTAINED:  # the tamperer was one of the class: the write fails, nobody passes
-        grader = attacked["course"] / "labkit" / "grading" / "labs" / "lab00.py"
-        assert grader.read_text() == attacked["lab00_before"], "the course is not writable to a student's kernel"
-        assert _softmax(attacked, "tamperer")["points"] == _softmax(attacked, "later")["points"] == 0
-        return
-    course = _course_copy(tmp_path)  # without a sandbox the write succeeds: the fingerprint stops the run
-    _tamper(tmp_path / "class")
-    done, data = _grade(course, tmp_path / "class")
-    assert done.returncode == 2 and data is None
-    assert "course files changed during grading" in done.stderr
-
-
-# --- one real kernel, graded in-process: the channel, tripwires and write-backs ------------------------
-
-@pytest.fixture
-def lab99():
-    """Exercises of a lab the course does not have, registered for this test only."""
-    registered = []
-
-    def register(name, forbidden=()):
-        def decorate(grader):
-            registered.append(("99", name))
-            return exercise("99", name, forbidden=forbidden)(grader)
-        return decorate
-
-    yield register
-    for key in registered:
-        _REGISTRY.pop(key, None)
-
-
-def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_mutations_come_back(tmp_path, lab99):
-    from labkit.grading.session import grade_contained
-
-    def same_as_filter_logits(name):
-        def grader(ns):
-            logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(0))
-            got = require(ns, name)(logits.clone(), 2)
-            if not torch.equal(got, filter_logits(logits, top_k=2)):
-                raise ExerciseFailed("wrong")
-            return "ok"
-        return grader
-
-    for name in ("top_k", "top_k_caught"):
-        lab99(name, forbidden=("labkit.sampling.filter_logits",))(same_as_filter_logits(name))
-
-    @lab99("peek")
-    def peek(ns):
-        want = torch.arange(5.0) * 3
-        if not torch.equal(require(ns, "peek")(torch.arange(5.0)), want):
-            raise ExerciseFailed("wrong")
-        return "ok"
-
-    @lab99("mutate")
-    def mutate(ns):
-        buffer = torch.zeros(10)
-        view = buffer[2:6]
-        queue, order, table = deque([1, 2]), OrderedDict([(3, None), (4, None)]), {7: 1}
-        blocks = [Block(0), Block(1)]
-        generator = torch.Generator().manual_seed(5)
-        result = require(ns, "mutate")(view, queue, order, table, blocks, blocks[1], generator)
-        expected_draw = torch.rand(1, generator=torch.Generator().manual_seed(5).manual_seed(5))
-        checks = [buffer.tolist() == [0, 0, 1, 1, 1, 1, 0, 0, 0, 0], list(queue) == [2], list(order) == [4, 3],
-                  table == {}, blocks[1].ref_count == 2, blocks[1].token_ids == (9, 9),
-                  result[0] is blocks[1], result[1] is view, not torch.equal(torch.rand(1, generator=generator),
-                                                                            expected_draw)]
-        if not all(checks):
-            raise ExerciseFailed(f"mutations lost: {checks}")
-        return "ok"
-
-    student = _notebook(
-        tmp_path / "student", "99_attacks.ipynb",
-        "import sys, torch\nfrom labkit.sampling import filter_logits as keep_it",
-        "def top_k(logits, k):\n    return keep_it(logits, top_k=k)",
-        "import labkit.sampling\ndef top_k_caught(logits, k):\n    try:\n"
-        "        return labkit.sampling.filter_logits(logits, top_k=k)\n    except Exception:\n        return logits",
-        "def peek(x):\n    frame = sys._getframe()\n    while frame is not None:\n"
-        "        if 'want' in frame.f_locals:\n            return frame.f_locals['want']\n"
-        "        frame = frame.f_back\n    return x",
-        "def mutate(view, queue, order, table, blocks, block, generator):\n    view.fill_(1)\n    queue.popleft()\n"
-        "    order.move_to_end(3)\n    table.clear()\n    block.ref_count = 2\n    block.token_ids = (9, 9)\n"
-        "    torch.rand(1, generator=generator)\n    return block, view")
-    uids = sandbox.UidPool() if sandbox.mode() == "uid" else None
-    run = grade_contained(student, "99", [], sandbox.Limits(cell_s=60), uids)
-    got = {o.name: o for o in run.outcomes}
-    assert got["top_k"].message == "`filter_logits` is labkit's answer to this exercise: write your own"
-    assert got["top_k_caught"].message == got["top_k"].message, "catching the tripwire does not help"
-    assert got["peek"].message == "wrong", "the grader's frames are not in the student's process"
-    assert got["mutate"].passed, got["mutate"].message
-    # in-process (a notebook's check cell), the same peek does see the grader's frame: only the
-    # trusted path is a score
-    namespace = {}
-    exec("import sys\n" + nbformat.read(student, 4).cells[3].source, namespace)
-    assert run_exercise(get_exercise("99", "peek"), namespace).passed
-
-
-# --- in-process: tripwires, static checks and the codec ------------------------------------------------
-
-def test_tripwires_catch_aliases_and_restore_everything():
-    originals = torch.softmax, torch.Tensor.softmax, torch.special.softmax, torch.nn.functional.softmax
-    namespace = {}
-    exec("from torch.special import softmax as s\ndef softmax(x):\n    return s(x, -1)", namespace)
-    outcome = run_exercise(get_exercise("00", "softmax"), namespace)
-    assert not outcome.passed and "`torch.special.softmax`" in outcome.message
-    assert namespace["s"] is torch.special.softmax
-    assert (torch.softmax, torch.Tensor.softmax, torch.special.softmax, torch.nn.functional.softmax) == originals
-    assert "softmax" not in vars(torch.Tensor), "an inherited method is restored by removing the tripwire"
-
-
-def test_the_static_check_sees_a_forbidden_call_on_a_path_the_tests_never_take():
-    source = "def softmax(x):\n    if x.numel() < 0:\n        return x.softmax(-1)\n    return x"
-    assert static_violations(source, "softmax", ("torch.Tensor.softmax",)) == ["torch.Tensor.softmax"]
-    assert static_violations("%time\n" + source, "softmax", ("labkit.sampling.filter_logits",)) == []
-    imports = "def f(x):\n    from labkit.sampling import filter_logits\n    return filter_logits(x)"
-    assert static_violations(imports, "f", ("labkit.sampling.filter_logits",)) == ["labkit.sampling.filter_logits"]
-
-
-def test_the_codec_keeps_views_and_shared_objects_and_writes_back_in_place():
-    buffer = torch.arange(12.0)
-    block = Block(3, 1, 77, (1, 2))
-    value = [buffer[2:5], buffer.view(3, 4), {"b": block, "again": block}, (None, 1.5, float("nan")), b"\x00"]
-    sender = Encoder()
-    receiver = Decoder()
-    decoded = receiver.decode(loads(dumps(sender.encode(value))))
-    assert decoded[0].untyped_storage().data_ptr() == decoded[1].untyped_storage().data_ptr()
-    assert decoded[2]["b"] is decoded[2]["again"] and decoded[2]["b"].hash == 77
-    assert decoded[3][2] != decoded[3][2] and decoded[4] == b"\x00"
-    decoded[1][0, 0] = -1.0  # what the far side does to its copies...
-    decoded[2]["b"].ref_count = 5
-    decoded[0].unsqueeze_(0)
-    replier = Encoder(known={identity(obj): n for n, obj in receiver.objects.items()})
-    updates = loads(dumps([[n, replier.contents(obj, n)] for n, obj in receiver.objects.items()]))
-    originals = {sender.ids[identity(obj)]: obj for obj in sender.keep}
-    writer = Decoder(known=originals)
-    for n, node in updates:
-        writer.fill(originals[n], node)
-    assert buffer[0] == -1.0, "...lands in the caller's own tensor"
-    assert block.ref_count == 5 and value[0].shape == (1, 3) and value[0].storage_offset() == 2
-
-
-@pytest.mark.parametrize(
-    ("node", "error"),
-    [
-        ({"t": "obj", "type": "os:system", "fields": {}}, "may not cross"),
-        ({"t": "obj", "type": "labkit.grading.labs.lab00:torch", "fields": {}}, "not a course dataclass"),
-        ({"t": "tensor", "storage": {"t": "storage", "device": "cpu", "b": "AAAA"}, "dtype": "float32",
-          "shape": [100], "stride": [1], "offset": 0}, "reach outside its storage"),
-        ({"t": "tensor", "storage": {"t": "storage", "device": "cpu", "b": ""}, "dtype": "os", "shape": [],
-          "stride": [], "offset": 0}, "unknown dtype"),
-        ({"t": "pickle", "b": "gASVAAAA"}, "unknown node type"),
-        ({"ref": 5}, "unknown object"),
-    ],
-)
-def test_the_codec_refuses_what_is_not_on_its_list(node, error):
-    with pytest.raises(CodecError, match=error):
-        Decoder().decode(node)
-    with pytest.raises(CodecError, match="bare NaN"):
-        loads('{"a": NaN}')
-    with pytest.raises(CodecError, match="cannot be sent"):
-        Encoder().encode(object())
-
-
-def _alive(pid: int) -> bool:
+    grader = course / "labkit" / "grading" / "labs" / "lab00.py"
+    before = grader.read_text()
+    _notebook(tmp_path / "class" / "tamperer", "00_setup.ipynb", "import torch", WRONG,
+              f"with open({str(grader)!r}, 'a') as f:\n    f.write({always_pass!r})")
+    _notebook(tmp_path / "class" / "later", "00_setup.ipynb", "import torch", WRONG)
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        done, data = _grade(course, tmp_path / "class", "--no-sandbox")
+    finally:
+        grader.write_text(before)
+    assert done.returncode == 2 and data is None
+    assert "changed during grading" in done.stderr
 
 
-def test_killing_a_kernel_takes_its_whole_tree():
-    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
-                               "subprocess.Popen(['sleep', '1000'])\ntime.sleep(1000)"], start_new_session=True)
-    deadline = time.monotonic() + 20
-    while len(sandbox.descendants(leader.pid)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    tree = sandbox.descendants(leader.pid)
-    assert len(tree) == 2
-    assert sandbox.kill_everything(leader.pid, None) == []
-    leader.wait(timeout=10)
-    assert not any(_alive(pid) for pid in tree)
+# --- the hard limit: a notebook whose grading will not end is stopped, the run goes on ------------------
 
+def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path):
+    from labkit.grading.report import grade_folder
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="a kernel gets a uid of its own only when grading as root")
-def test_every_process_of_a_kernels_uid_dies_even_detached():
-    uid = sandbox.UidPool().take()
-    detached = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], start_new_session=True,
-                                cwd="/")
-    leader = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], cwd="/")
-    assert sandbox.processes_of_uid(uid)
-    assert sandbox.kill_everything(leader.pid, uid) == []
-    for process in (detached, leader):
-        process.wait(timeout=10)
-    assert not any(_alive(pid) for pid in sandbox.processes_of_uid(uid))
-
-
-def test_a_course_under_tmp_is_bound_back_into_the_sandbox(monkeypatch):
-    """bubblewrap gives the kernel an empty /tmp: a clone there (as CI may make) must stay visible."""
-    monkeypatch.setattr(sandbox, "COURSE_ROOT", Path("/tmp/ci/course"))
-    monkeypatch.setattr(sandbox.sys, "prefix", "/tmp/ci/course/.venv")
-    needed = sandbox._needed_under_scratch()
-    assert needed[0] == Path("/tmp/ci/course") and Path("/tmp/ci/course/.venv") not in needed
-    assert all(not p.is_relative_to("/tmp/ci/course") or p == Path("/tmp/ci/course") for p in needed)
-
-
-def test_numpy_arrays_and_generators_cross_the_codec():
-    """Lab 16 hands the student a numpy Generator and gets an array back: both must travel as data."""
-    import numpy as np
-
-    rng, array = np.random.default_rng(3), np.arange(6.0).reshape(2, 3)
-    got_rng, got_array = Decoder().decode(loads(dumps(Encoder().encode([rng, array]))))
-    assert got_rng.random() == np.random.default_rng(3).random()
-    assert got_array.dtype == array.dtype and np.array_equal(got_array, array)
-    with pytest.raises(CodecError, match="unknown numpy bit generator"):
-        Decoder().decode(loads(dumps({"t": "np_generator", "state": json.dumps({"bit_generator": "os.system"})})))
+    klass = tmp_path / "class"
+    _notebook(klass / "stuck", "00_setup.ipynb", "import torch",
+              "def softmax(x):\n    import time\n    while True:\n        try:\n            time.sleep(100)\n"
+              "        except BaseException:\n            pass")
+    _notebook(klass / "fine", "00_setup.ipynb", "import torch", GOOD)
+    # A call that ignores its interrupt would hold the grader 5 + 300 s; the hard limit is 2 x 5 + 10 s.
+    limits = sandbox.Limits(cell_s=5, notebook_s=5, call_s=5, interrupt_s=300, startup_s=10)
+    started = time.monotonic()
+    reports = grade_folder(klass, jobs=2, limits=limits, no_sandbox=not BWRAP)
+    assert time.monotonic() - started < 60
+    lab00 = {r.student: r for r in reports if r.lab == "00" and r.outcomes}
+    assert lab00["fine"].points == 1
+    assert lab00["stuck"].points == 0
+    assert "took longer than its hard limit of 20 s" in lab00["stuck"].note

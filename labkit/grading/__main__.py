@@ -26,8 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     grade.add_argument("--cell-timeout", type=float, default=Limits.cell_s, help="seconds per cell")
     grade.add_argument("--notebook-timeout", type=float, default=Limits.notebook_s,
                        help="seconds for all cells of a notebook")
+    grade.add_argument("--call-timeout", type=float, default=Limits.call_s,
+                       help="seconds for one call of a student's function by a grader")
     grade.add_argument("--memory-gb", type=float, default=Limits.memory_bytes / 2**30,
                        help="address-space limit per kernel process (0: none)")
+    grade.add_argument("--no-sandbox", action="store_true",
+                       help="grade without bubblewrap: student code runs with your privileges, can read and write "
+                            "whatever you can, use the network and see other students' folders (trusted notebooks "
+                            "only)")
     self_check = commands.add_parser("selfcheck", help="solutions earn full marks, notebooks zero")
     self_check.add_argument("--solutions", type=Path, default=Path("solutions"))
     self_check.add_argument("--notebooks", type=Path, default=Path("notebooks"))
@@ -57,23 +63,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "grade":
         from labkit.grading.integrity import CourseTampered
         from labkit.grading.report import all_passed, format_table, grade_folder, write_reports
+        from labkit.grading.sandbox import SandboxUnavailable
 
-        limits = Limits(cell_s=args.cell_timeout, notebook_s=args.notebook_timeout,
+        limits = Limits(cell_s=args.cell_timeout, notebook_s=args.notebook_timeout, call_s=args.call_timeout,
                         memory_bytes=int(args.memory_gb * 2**30) or None)
         report = args.report.resolve()
-        report.parent.mkdir(parents=True, exist_ok=True)
         try:
-            reports = grade_folder(args.folder, args.jobs, hidden=[report.parent], limits=limits)
-        except (CourseTampered, FileNotFoundError) as error:
+            reports = grade_folder(args.folder, args.jobs, limits, args.no_sandbox, progress=True)
+        except (CourseTampered, FileNotFoundError, SandboxUnavailable) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
         print(format_table(reports))
         written = write_reports(reports, report)
         print(f"reports written to {written[0]} and {written[1]}")
         return 0 if all_passed(reports) else 1
+    from labkit.grading.integrity import CourseTampered
     from labkit.grading.selfcheck import selfcheck
 
-    return 0 if selfcheck(args.solutions, args.notebooks, args.jobs) else 1
+    try:
+        return 0 if selfcheck(args.solutions, args.notebooks, args.jobs) else 1
+    except CourseTampered as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,16 +20,18 @@ import importlib
 import json
 import math
 import sys
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import numpy as np
 import torch
 
 MAX_MESSAGE_BYTES = 512 * 2**20
-# Dataclasses that may cross: the course's own records (the engine parts' Request, for Lab 11's capstone).
-# Graders' modules count (lab 10's Request).
-TRUSTED_DATACLASS_MODULES = ("labkit.cache.block_manager", "labkit.engine.parts")
-TRUSTED_DATACLASS_PREFIX = "labkit.grading.labs."
+MAX_DEPTH = 64  # nesting of lists, dicts, objects in one message
+MAX_VIEW_BYTES = 64 * 2**20  # a tensor may view more bytes than its storage holds (stride 0) up to this
+MAX_SAME_HASH = 16  # elements of one set or keys of one dict that share a hash (collisions make sets quadratic)
+# Dataclasses that may cross: the course's own records (the engine parts' Request, for Lab 11's capstone;
+# the records graders pass, which live apart from the graders so that a student's kernel can import them).
+TRUSTED_DATACLASS_MODULES = ("labkit.cache.block_manager", "labkit.engine.parts", "labkit.grading.records")
 
 
 class CodecError(ValueError):
@@ -56,13 +58,12 @@ def _type_key(cls: type) -> str:
 
 def _registered(cls: type) -> bool:
     module = cls.__module__
-    return dataclasses.is_dataclass(cls) and (module in TRUSTED_DATACLASS_MODULES
-                                              or module.startswith(TRUSTED_DATACLASS_PREFIX))
+    return dataclasses.is_dataclass(cls) and module in TRUSTED_DATACLASS_MODULES
 
 
 def _resolve_type(key: str, may_import: bool) -> type:
     module_name, _, qualname = key.partition(":")
-    if not (module_name in TRUSTED_DATACLASS_MODULES or module_name.startswith(TRUSTED_DATACLASS_PREFIX)):
+    if module_name not in TRUSTED_DATACLASS_MODULES:
         raise CodecError(f"type {key} may not cross the grading channel")
     module = sys.modules.get(module_name)
     if module is None and may_import:
@@ -188,11 +189,10 @@ class Decoder:
         self.handle = handle  # callable (number, type name) -> object that stands for a handle
         self.objects: dict[int, object] = dict(known or {})
         self.may_import = may_import
+        self.depth = 0
 
     def decode(self, node):
-        if node is None or type(node) in (bool, int, str):
-            return node
-        if type(node) is float:
+        if node is None or type(node) in (bool, int, str, float):
             return node
         if type(node) is not dict:
             raise CodecError(f"malformed node of type {type(node).__name__}")
@@ -201,7 +201,13 @@ class Decoder:
                 return self.objects[node["ref"]]
             except (KeyError, TypeError):
                 raise CodecError(f"reference to unknown object {node['ref']!r}") from None
-        return self.build(node)
+        if self.depth >= MAX_DEPTH:
+            raise CodecError(f"values nested deeper than {MAX_DEPTH} levels")
+        self.depth += 1
+        try:
+            return self.build(node)
+        finally:
+            self.depth -= 1
 
     def _remember(self, node, obj):
         if node.get("id") is not None:
@@ -218,7 +224,7 @@ class Decoder:
             return base64.b64decode(node["b"], validate=True)
         if t in ("tuple", "frozenset"):
             items = [self.decode(v) for v in node["items"]]
-            return tuple(items) if t == "tuple" else frozenset(items)
+            return tuple(items) if t == "tuple" else frozenset(_spread(items))
         if t == "dtype":
             return _dtype(node["v"])
         if t == "device":
@@ -226,7 +232,8 @@ class Decoder:
         if t == "handle":
             if self.handle is None:
                 raise CodecError("handles only come from the student's kernel")
-            return self._remember(node, self.handle(node["h"], str(node.get("type", "object"))))
+            type_name = node.get("type", "object")
+            return self._remember(node, self.handle(node["h"], type_name[:80] if type(type_name) is str else "object"))
         empty = {"list": list, "set": set, "dict": dict, "odict": OrderedDict}.get(t)
         if empty is not None:
             obj = self._remember(node, empty())
@@ -244,7 +251,12 @@ class Decoder:
             dtype = np.dtype(node["dtype"])
             if dtype.hasobject:
                 raise CodecError("numpy arrays of Python objects are not carried")
-            obj = self._remember(node, np.empty([int(n) for n in node["shape"]], dtype=dtype))
+            shape = node["shape"]
+            if not (type(shape) is list and len(shape) <= 32 and all(type(n) is int and n >= 0 for n in shape)):
+                raise CodecError("a numpy array's shape must be a few non-negative integers")
+            if math.prod(shape) * dtype.itemsize != len(node["b"]) // 4 * 3 - node["b"][-2:].count("="):
+                raise CodecError("a numpy array's bytes do not match its shape and dtype")
+            obj = self._remember(node, np.empty(shape, dtype=dtype))
         elif t == "np_generator":
             obj = self._remember(node, np.random.Generator(_numpy_bit_generator(node["state"])))
         elif t == "obj":
@@ -264,10 +276,12 @@ class Decoder:
             obj.clear()
             obj.extend(self.decode(v) for v in node["items"])
         elif isinstance(obj, set) and t == "set":
+            items = _spread([self.decode(v) for v in node["items"]])
             obj.clear()
-            obj.update(self.decode(v) for v in node["items"])
+            obj.update(items)
         elif isinstance(obj, dict) and t in ("dict", "odict"):
             items = [(self.decode(k), self.decode(v)) for k, v in node["items"]]
+            _spread([k for k, _ in items])
             obj.clear()
             obj.update(items)
         elif isinstance(obj, torch.Generator) and t == "generator":
@@ -320,12 +334,29 @@ class Decoder:
             raise CodecError("a tensor must view a storage")
         dtype = _dtype(node["dtype"])
         shape, stride, offset = node["shape"], node["stride"], node["offset"]
-        if not (all(type(x) is int for x in [*shape, *stride, offset])
-                and _extent_ok(offset, shape, stride, dtype.itemsize, storage.nbytes())):
+        if not (type(shape) is list and type(stride) is list and len(shape) <= 16
+                and all(type(x) is int and 0 <= x < 2**48 for x in [*shape, *stride, offset])):
+            raise CodecError("a tensor's shape, strides and offset must be a few non-negative integers")
+        if not _extent_ok(offset, shape, stride, dtype.itemsize, storage.nbytes()):
             raise CodecError("a tensor's shape and strides reach outside its storage")
+        viewed = math.prod(shape) * dtype.itemsize
+        if viewed > max(storage.nbytes(), MAX_VIEW_BYTES):
+            raise CodecError(f"a tensor views {viewed} bytes of a {storage.nbytes()}-byte storage (repeated by "
+                             "zero strides): send the values themselves")
         if offset * dtype.itemsize > storage.nbytes():
             raise CodecError("a tensor's offset is outside its storage")
         return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+
+
+def _spread(keys: list) -> list:
+    """`keys` if they can go into one set or dict in linear time: not too many share a hash."""
+    try:
+        counts = Counter(hash(k) for k in keys)
+    except TypeError as error:
+        raise CodecError(f"unhashable set element or dict key: {error}") from None
+    if counts and max(counts.values()) > MAX_SAME_HASH:
+        raise CodecError(f"more than {MAX_SAME_HASH} elements of a set or keys of a dict share one hash")
+    return keys
 
 
 def dumps(node) -> str:

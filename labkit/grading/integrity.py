@@ -1,25 +1,35 @@
-"""The course's own files, fingerprinted before any student code runs and checked after each notebook.
+"""What grading runs on, fingerprinted before any student code runs and checked while it runs.
 
-Graders are loaded into the trusted process before the first kernel starts, so a student who
-manages to edit `labkit/grading/labs/lab00.py` cannot change how anyone is graded in this run; the
-check makes such an edit stop the run loudly, so that it cannot affect a later one either.
+The course's own files (the graders among them) are hashed and checked after every notebook; the
+Python that grades (the environment's and the interpreter's files: a planted `.pth` runs in every
+later interpreter) is fingerprinted by name, size, time and inode at the start and checked again
+before the report is written. Any change stops the run with no report. At the start, every `.pth`
+and `sitecustomize` file in the environment must be one an installed package put there, with the
+content its RECORD lists: a file planted by an earlier, unsandboxed run stops grading too.
 """
 
+import base64
 import hashlib
+import importlib.metadata
+import os
+import site
 import subprocess
+import sys
 from pathlib import Path
 
 import labkit
 
 COURSE_ROOT = Path(labkit.__file__).resolve().parents[1]
 WATCHED = ("labkit", "Makefile", "pyproject.toml", "requirements.txt")
+STARTUP_FILES = ("sitecustomize.py", "usercustomize.py")
 
 
 class CourseTampered(RuntimeError):
-    """A course file changed while students' notebooks were being graded."""
+    """A course file or the grading Python changed, or holds a file no package installed."""
 
 
-def fingerprint(root: Path = COURSE_ROOT) -> dict[str, str]:
+def fingerprint(root: Path = COURSE_ROOT, python: bool = False) -> dict[str, str]:
+    """The course files' hashes; with `python`, also every file of this environment and interpreter."""
     digests = {}
     for name in WATCHED:
         top = root / name
@@ -28,15 +38,46 @@ def fingerprint(root: Path = COURSE_ROOT) -> dict[str, str]:
                 digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
             elif path.is_symlink():
                 digests[str(path.relative_to(root))] = f"symlink to {path.readlink()}"
+    if python:
+        for tree in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
+            for folder, subfolders, files in os.walk(tree):
+                subfolders[:] = [f for f in subfolders if f != "__pycache__"]
+                for file in files:
+                    path = os.path.join(folder, file)
+                    stat = os.lstat(path)
+                    digests[path] = f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}:{stat.st_mode:o}"
     return digests
 
 
 def verify(before: dict[str, str], root: Path = COURSE_ROOT) -> None:
-    after = fingerprint(root)
+    after = fingerprint(root, python=any(key.startswith("/") for key in before))
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if changed:
-        raise CourseTampered("course files changed during grading, so no grade of this run can be trusted: "
-                             + ", ".join(changed[:10]))
+        raise CourseTampered("the course or the Python that grades changed during grading, so no grade of this "
+                             "run can be trusted: " + ", ".join(changed[:10]))
+
+
+def check_site_packages() -> None:
+    """Every `.pth` and `sitecustomize` file in this environment's site folders is one an installed
+    distribution's RECORD lists, with that content."""
+    recorded = {}
+    for dist in importlib.metadata.distributions():
+        for entry in dist.files or []:
+            if entry.hash is not None and (entry.name.endswith(".pth") or entry.name in STARTUP_FILES):
+                recorded[Path(dist.locate_file(entry)).resolve()] = entry.hash.value
+    folders = [Path(p) for p in site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        folders.append(Path(site.getusersitepackages()))
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if path.suffix == ".pth" or path.name in STARTUP_FILES:
+                digest = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+                if recorded.get(path.resolve()) != digest:
+                    raise CourseTampered(f"{path} is not a file an installed package put there (it runs in "
+                                         "every Python started from this environment): remove it, or "
+                                         "reinstall the package it belongs to, before grading")
 
 
 def course_commit(root: Path = COURSE_ROOT) -> str:

@@ -43,17 +43,27 @@ def send_frame(sock: socket.socket, text: str) -> None:
     sock.sendall(FRAME.pack(len(data)) + data)
 
 
-def receive_frame(sock: socket.socket) -> str:
-    (size,) = FRAME.unpack(_receive_exactly(sock, FRAME.size))
-    if size > MAX_MESSAGE_BYTES:
-        raise CodecError(f"a message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
-    return _receive_exactly(sock, size).decode()
+def receive_frame(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES, deadline: float | None = None) -> str:
+    """One length-prefixed frame of at most `limit` bytes; with a `deadline` (time.monotonic()), a frame
+    that is not whole by then raises TimeoutError."""
+    (size,) = FRAME.unpack(_receive_exactly(sock, FRAME.size, deadline))
+    if size > limit:
+        raise CodecError(f"a message of {size} bytes exceeds the limit of {limit}")
+    try:
+        return _receive_exactly(sock, size, deadline).decode()
+    except UnicodeDecodeError as error:
+        raise CodecError(f"a message that is not UTF-8 ({error.reason})") from None
 
 
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+def _receive_exactly(sock: socket.socket, size: int, deadline: float | None) -> bytes:
     chunks, left = [], size
     while left:
-        chunk = sock.recv(min(left, 2**20))
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(min(left, 2**20))
+        except TimeoutError:
+            raise TimeoutError(f"the message stopped after {size - left} of its {size} bytes") from None
         if not chunk:
             raise ConnectionError("the other side closed the grading channel")
         chunks.append(chunk)
@@ -65,9 +75,10 @@ class KernelLink:
     """One request, one reply, with the agent in a running kernel."""
 
     def __init__(self, kernel_manager, client, socket_path: Path, call_timeout_s: float, uid: int | None = None,
-                 deadline: float = float("inf"), interrupt_grace_s: float = 5.0):
+                 deadline: float = float("inf"), interrupt_grace_s: float = 5.0, reply_bytes: int = 64 * 2**20):
         self.km, self.kc = kernel_manager, client
         self.call_timeout_s, self.interrupt_grace_s = call_timeout_s, interrupt_grace_s
+        self.reply_bytes = reply_bytes
         self.deadline = deadline  # time.monotonic() after which no call starts: grading has its own budget
         self.lost: str | None = None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -132,11 +143,17 @@ class KernelLink:
         run_sync(self.km.interrupt_kernel)()
 
     def _reply(self, timeout_s: float) -> str | None:
+        """The reply, or None if none began within `timeout_s`; a reply that begins must be whole by then
+        (or by the grace after it), and within the size limit."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             ready, _, _ = select.select([self.channel], [], [], min(left, 0.5))
             if ready:
-                return receive_frame(self.channel)
+                try:
+                    return receive_frame(self.channel, self.reply_bytes, deadline + self.interrupt_grace_s)
+                except (TimeoutError, CodecError) as error:
+                    self.lost = f"your kernel's reply was cut off or too large ({error})"
+                    raise KernelLost(self.lost) from None
             self._check_alive()
         return None
 
@@ -183,7 +200,7 @@ class RemoteObject(Handle):
             self._link, {"handle": number}, type_name), known=originals)
         try:
             answer = self._link.request({**body, **self._target, "args": args, "kwargs": kwargs,
-                                         "forbidden": list(wires.forbidden) if wires else []})
+                                         "forbidden": _wired_in_kernel(wires)})
             for number, node in answer.get("updates", []):
                 if number not in originals or type(node) is not dict:
                     raise CodecError(f"the reply updates an unknown argument {number!r}")
@@ -198,11 +215,23 @@ class RemoteObject(Handle):
             raise ForbiddenCall(explain(tripped[0]))
         error = answer.get("error")
         if error is not None:
-            type_name, message = str(error.get("type", "Exception")), str(error.get("message", ""))
+            if type(error) is not dict:
+                raise ExerciseFailed("your kernel's reply could not be read (a malformed error)")
+            type_name, message = _short(error.get("type", "Exception"), 80), _short(error.get("message", ""), 2000)
             if type_name == "NotImplementedError":
                 raise NotImplementedError(message)
             raise RemoteError(type_name, message)
         return result
+
+
+def _wired_in_kernel(wires) -> list[str]:
+    """The forbidden paths the kernel can arm: not the graders' own (hidden from it by the sandbox)."""
+    return [path for path in wires.forbidden if not path.startswith("labkit.grading.labs.")] if wires else []
+
+
+def _short(value, limit: int) -> str:
+    """A string from the kernel, cut to `limit` characters before anything else reads it."""
+    return value[:limit] if type(value) is str else type(value).__name__
 
 
 @functools.cache
@@ -232,7 +261,7 @@ class RemoteNamespace:
         found = self._describe(name)
         if not found.get("defined"):
             raise KeyError(name)
-        return RemoteObject(self.link, {"name": name}, str(found.get("type", "object")),
+        return RemoteObject(self.link, {"name": name}, _short(found.get("type", "object"), 80),
                             bool(found.get("callable")), bool(found.get("class")))
 
     def value(self, name: str):
@@ -248,6 +277,6 @@ class RemoteNamespace:
 
     def definition_source(self, name: str) -> str:
         """The last cell that defines `name`, from the notebook as read by the trusted side."""
-        definition = re.compile(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(name)}\b", re.MULTILINE)
+        definition = re.compile(rf"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+{re.escape(name)}\b", re.MULTILINE)
         defining = [s for s in self.cell_sources if definition.search(s)]
         return defining[-1] if defining else ""

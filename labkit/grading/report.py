@@ -11,13 +11,12 @@ the graders here); the report is written only after every kernel and all they st
 import csv
 import json
 import re
-import time
-from concurrent.futures import ThreadPoolExecutor
+import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from labkit.grading import integrity, sandbox
+from labkit.grading import integrity, sandbox, workers
 from labkit.grading.core import Outcome, exercises
 
 LAB_FILE = re.compile(r"^(?:Copy of )?(\d\d)_[^/]*?(?: ?\(\d+\))?\.ipynb$")
@@ -34,6 +33,7 @@ class LabReport:
     student: str = ""
     note: str = ""  # why something was not graded, which cell stopped the run, duplicates
     seconds: float = 0.0
+    sandbox: str = ""  # how its kernel was contained: "bwrap" or "none"
 
     @property
     def points(self) -> int:
@@ -51,6 +51,12 @@ class LabReport:
 def plain(text: str) -> str:
     """One line of plain text: terminal escape sequences and control characters removed."""
     return CONTROL.sub(" ", TERMINAL_ESCAPE.sub("", str(text))).strip()
+
+
+def escape(name: str) -> str:
+    """A name a student chose (a file, a folder), on one line as typed: every character that is not
+    printable (newlines, escape sequences, bidirectional overrides) shown as its escape code."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
 
 
 def lab_of(path: Path) -> str | None:
@@ -82,15 +88,13 @@ def students_of(folder: Path) -> list[Path]:
 
 
 class ClassGrader:
-    """Grades with graders loaded, and the course fingerprinted, before any student code runs."""
+    """Plans a class's grading: which notebook of each student is graded for each lab, and the rows
+    decided without running anything (missing labs, refused files, duplicates)."""
 
-    def __init__(self, hidden: list[Path], limits: sandbox.Limits | None = None):
+    def __init__(self, limits: sandbox.Limits | None = None):
         self.labs = course_labs()
         self.expected = expected_names()
-        self.fingerprint = integrity.fingerprint()
         self.limits = limits or sandbox.Limits()
-        self.hidden = list(dict.fromkeys(p.resolve() for p in [integrity.COURSE_ROOT / "solutions", *hidden]))
-        self.uids = sandbox.UidPool() if sandbox.mode() == "uid" else None
 
     def plan(self, student: Path) -> tuple[list[tuple[str, Path]], list[LabReport]]:
         """The notebooks to grade, and the rows already decided (missing labs, refused files)."""
@@ -125,59 +129,48 @@ class ClassGrader:
             todo.append((lab, chosen))
             if others:
                 rows.append(LabReport(lab, chosen.name, note="duplicate: also handed in "
-                                      + ", ".join(others) + f"; only {chosen.name} is graded"))
+                                      + ", ".join(map(escape, others)) + f"; only {escape(chosen.name)} is graded"))
         return todo, rows
 
-    def grade(self, lab: str, path: Path) -> LabReport:
-        from labkit.grading.session import NotANotebook, grade_contained
 
-        started = time.monotonic()
-        report = LabReport(lab, path.name)
-        try:
-            run = grade_contained(path, lab, self.hidden, self.limits, self.uids)
-        except Exception as error:  # noqa: BLE001 - one broken file is one row, never the whole run
-            first = (str(error).strip().splitlines() or [""])[0][:200]
-            reason = f"not graded: {error}" if isinstance(error, NotANotebook) else \
-                f"not graded: grading failed with {type(error).__name__}: {first}"
-            report.outcomes = [Outcome(lab, ex.name, 0, ex.points, reason) for ex in self.labs[lab]]
-            report.note = reason
-        else:
-            report.outcomes = [_explain_missing(o, run.failed_cells, run.stopped) if o.missing else o
-                               for o in run.outcomes]
-            notes = [f"cell {run.stopped[0]} {run.stopped[1]}; the cells after it were not run"] \
-                if run.stopped else []
-            report.note = "; ".join(notes + run.notes)
-        finally:
-            integrity.verify(self.fingerprint)
-        report.seconds = time.monotonic() - started
-        return report
-
-
-def grade_folder(folder: Path, jobs: int = 2, hidden: list[Path] = (), limits: sandbox.Limits | None = None
-                 ) -> list[LabReport]:
+def grade_folder(folder: Path, jobs: int = 2, limits: sandbox.Limits | None = None, no_sandbox: bool = False,
+                 progress: bool = False) -> list[LabReport]:
     """Every student's every lab, in order; notebooks are graded `jobs` at a time."""
-    return grade_students(students_of(folder), jobs, [folder, *hidden], limits)
+    return grade_students(students_of(folder), jobs, limits, no_sandbox, progress)
 
 
-def grade_students(students: list[Path], jobs: int = 2, hidden: list[Path] = (),
-                   limits: sandbox.Limits | None = None) -> list[LabReport]:
-    """Each folder in `students` is one student, named after the folder."""
-    grader = ClassGrader([*students, *hidden], limits)
+def grade_students(students: list[Path], jobs: int = 2, limits: sandbox.Limits | None = None,
+                   no_sandbox: bool = False, progress: bool = False) -> list[LabReport]:
+    """Each folder in `students` is one student, named after the folder. Containment is bubblewrap, or
+    none when `no_sandbox` says so; without bubblewrap and without it, SandboxUnavailable."""
+    how = sandbox.mode(no_sandbox)
+    grader = ClassGrader(limits)
+    integrity.check_site_packages()
+    everything = integrity.fingerprint(python=True)
+    course = {key: value for key, value in everything.items() if not key.startswith("/")}
     work, reports = [], []
     for student in students:
         todo, rows = grader.plan(student)
         for row in rows:
             row.student = student.name
         reports += rows
-        work += [(student.name, lab, path) for lab, path in todo]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        graded = list(pool.map(lambda item: grader.grade(item[1], item[2]), work))
-    for (student, _, _), report in zip(work, graded, strict=True):
-        report.student = student
-    reports += graded
+        work += [workers.Job(student.name, lab, path) for lab, path in todo]
+
+    def done(job: workers.Job, graded: workers.Graded) -> None:
+        integrity.verify(course)  # a changed course stops the run before anything more is graded
+        if progress:
+            points = sum(o.points for o in graded.outcomes)
+            print(f"graded {escape(job.student)} {job.lab} ({escape(job.path.name)}): "
+                  f"{points}/{sum(o.max_points for o in graded.outcomes)} in {graded.seconds:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    for job, graded in zip(work, workers.grade_all(work, jobs, grader.limits, how, done), strict=True):
+        reports.append(LabReport(job.lab, job.path.name, graded.outcomes, job.student, graded.note, graded.seconds))
+    integrity.verify(everything)
     for report in reports:
         report.note = plain(report.note)
         report.outcomes = [_honest(o) for o in report.outcomes]
+        report.sandbox = how
     return sorted(reports, key=lambda r: (r.student, r.lab, not r.outcomes, r.notebook))
 
 
@@ -189,7 +182,7 @@ def format_table(reports: list[LabReport]) -> str:
     several = len({r.student for r in reports}) > 1
     rows = [(("student",) if several else ()) + ("lab", "exercise", "score", "feedback")]
     for report in reports:
-        who = (report.student,) if several else ()
+        who = (escape(report.student),) if several else ()
         reasons = {o.message for o in report.outcomes}
         if len(report.outcomes) > 1 and len(reasons) == 1 and not report.points:  # missing, refused, broken
             rows.append(who + (report.lab, f"({len(report.outcomes)} exercises)", f"0/{report.max_points}",
@@ -198,14 +191,14 @@ def format_table(reports: list[LabReport]) -> str:
             rows += [who + (o.lab, o.name, f"{o.points}/{o.max_points}", f"{'✔' if o.passed else '✘'} {o.message}")
                      for o in report.outcomes]
         if report.note and report.note != "missing" and report.note not in {o.message for o in report.outcomes}:
-            rows.append(who + (report.lab, "", "", f"{report.notebook}: {report.note}"))
+            rows.append(who + (report.lab, "", "", f"{escape(report.notebook)}: {report.note}"))
     width = len(rows[0]) - 1
     widths = [max(len(r[i]) for r in rows) for i in range(width)]
     lines = ["  ".join(row[i].ljust(widths[i]) for i in range(width)) + "  " + row[-1] for row in rows]
     for student in dict.fromkeys(r.student for r in reports):
         mine = [r for r in reports if r.student == student]
         missing = sorted(r.lab for r in mine if r.missing)
-        label = f"{student}: " if several else ""
+        label = f"{escape(student)}: " if several else ""
         lines.append(f"{label}total {sum(r.points for r in mine)}/{sum(r.max_points for r in mine)}"
                      + (f" (missing labs: {', '.join(missing)})" if missing else ""))
     return "\n".join(lines)
@@ -217,7 +210,7 @@ def write_reports(reports: list[LabReport], path: Path) -> tuple[Path, Path]:
     commit = integrity.course_commit()
     students = list(dict.fromkeys(r.student for r in reports))
     data = {
-        "graded_at": stamp, "course_commit": commit, "sandbox": sandbox.mode(),
+        "graded_at": stamp, "course_commit": commit, "sandbox": ", ".join(sorted({r.sandbox for r in reports})),
         "points": sum(r.points for r in reports), "max_points": sum(r.max_points for r in reports),
         "students": [
             {"student": s, "points": sum(r.points for r in reports if r.student == s),
@@ -237,8 +230,9 @@ def write_reports(reports: list[LabReport], path: Path) -> tuple[Path, Path]:
     lines = []
     for r in reports:
         for o in r.outcomes or [None]:
-            lines.append([r.student, r.lab, o.name if o else "", o.points if o else 0, o.max_points if o else 0,
-                          o.message if o else r.note, r.notebook, r.note, stamp, commit, round(r.seconds, 2)])
+            lines.append([_cell(r.student), r.lab, o.name if o else "", o.points if o else 0,
+                          o.max_points if o else 0, o.message if o else r.note, _cell(r.notebook), r.note, stamp,
+                          commit, round(r.seconds, 2)])
     _write_atomically(table, _csv([["student", "lab", "exercise", "points", "max_points", "feedback", "notebook",
                                     "note", "timestamp", "course_commit", "seconds"], *lines]))
     return path, table
@@ -252,6 +246,11 @@ def _csv(rows: list[list]) -> str:
     return out.getvalue()
 
 
+def _cell(name: str) -> str:
+    """A student's name for a spreadsheet: one that starts like a formula (=, +, -, @) is quoted as text."""
+    return "'" + name if name[:1] in ("=", "+", "-", "@", "\t", "\r") else name
+
+
 def _write_atomically(path: Path, text: str) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text, encoding="utf-8")
@@ -261,20 +260,3 @@ def _write_atomically(path: Path, text: str) -> None:
 def _honest(outcome: Outcome) -> Outcome:
     points = max(0, min(outcome.points, outcome.max_points))
     return Outcome(outcome.lab, outcome.name, points, outcome.max_points, plain(outcome.message), outcome.missing)
-
-
-def _explain_missing(outcome: Outcome, failed_cells: dict[int, tuple[str, str]],
-                     stopped: tuple[int, str] | None) -> Outcome:
-    name = re.escape(outcome.missing)
-    defines = re.compile(rf"^\s*(def|class)\s+{name}\b|^\s*{name}\s*=", re.MULTILINE)
-    for index, (source, ename) in failed_cells.items():
-        if defines.search(source):
-            why = ("its cell is not filled in yet" if ename == "NotImplementedError"
-                   else f"its cell (cell {index}) raised {ename}")
-            return Outcome(outcome.lab, outcome.name, 0, outcome.max_points,
-                           f"`{outcome.missing}` is not defined: {why}")
-    if stopped is not None:
-        return Outcome(outcome.lab, outcome.name, 0, outcome.max_points,
-                       f"`{outcome.missing}` is not defined: cell {stopped[0]} {stopped[1]}, "
-                       "so it and the cells after it did not run")
-    return outcome

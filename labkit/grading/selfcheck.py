@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 
+from labkit.grading import sandbox
 from labkit.grading.core import exercises
 from labkit.grading.report import format_table, grade_students, lab_of
 
@@ -43,7 +44,10 @@ def wiring_problems(solutions: Path) -> list[str]:
 
 def selfcheck(solutions: Path, notebooks: Path, jobs: int = 2) -> bool:
     problems = wiring_problems(solutions)
-    graded = grade_students([solutions, notebooks], jobs)
+    problem = sandbox.bwrap_problem()
+    if problem:  # the course's own notebooks: trusted, so they may run unsandboxed, but say so
+        print(f"grading self-check without the sandbox: {problem}")
+    graded = grade_students([solutions, notebooks], jobs, no_sandbox=problem is not None)
     solved = [r for r in graded if r.student == solutions.name]
     blank = [r for r in graded if r.student == notebooks.name]
     for report in solved:

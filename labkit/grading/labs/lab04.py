@@ -3,13 +3,13 @@ against `labkit.worked_example` (or a model and a clock the grader scripts), and
 mistakes."""
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from labkit import worked_example as ref
 from labkit.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
 from labkit.grading.labs.lab03 import _close, _random
+from labkit.grading.records import ScriptedLM, SimulatedClock
 
 
 @exercise("04", "embed_token", forbidden=("labkit.worked_example.build_x",))
@@ -162,40 +162,6 @@ def growing_kv_cache(ns):
 
 # ---- the generation loop, timed ----------------------------------------------------------------------
 
-@dataclass
-class SimulatedClock:
-    """A clock the grader controls: it moves only when the model below computes."""
-
-    now: float = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
-class ScriptedLM:
-    """A stand-in model that owns its KV cache: it remembers every token fed to it, and its next token
-    depends on all of them and their positions, so feeding a token twice, or skipping one, changes
-    what it says. Each call advances the clock: a prefill by `prefill_ms` per token, a decode step
-    by the next of `step_ms`."""
-
-    vocab_size: int
-    clock: SimulatedClock
-    prefill_ms: float
-    step_ms: list
-    seen: list = field(default_factory=list)
-    calls: list = field(default_factory=list)
-
-    def __call__(self, token_ids) -> torch.Tensor:
-        ids = [int(t) for t in token_ids]
-        cost = self.prefill_ms * len(ids) if not self.calls else self.step_ms[(len(self.calls) - 1) % len(self.step_ms)]
-        self.calls.append(ids)
-        self.seen.extend(ids)
-        self.clock.now += cost / 1e3
-        winner = (sum(i * t for i, t in enumerate(self.seen, 1)) * 31 + 7 * len(self.seen)) % self.vocab_size
-        logits = torch.linspace(-1.0, 1.0, self.vocab_size).roll(winner + 1)  # the runner-up sits next to it
-        logits[winner] = 2.0
-        return logits
 
 
 def _reference_generation(prompt, max_new_tokens, eos_id, vocab_size, prefill_ms, step_ms):

@@ -2,11 +2,11 @@
 preemption victim and splitting a step's token budget between decodes and prefill chunks."""
 
 import random
-from dataclasses import dataclass
 
 from labkit.cache.block_manager import BlockManager
 from labkit.cache.sequence_blocks import BlockSequence
 from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading.records import Active, Request, Running
 
 
 @exercise("10", "can_append", forbidden=(
@@ -58,16 +58,6 @@ def reference_can_append(num_tokens: int, num_blocks_held: int, block_size: int,
     seq.token_ids.append(0)
     return bm.can_append(seq)
 
-
-@dataclass(frozen=True)
-class Request:
-    """A waiting request as the exercise sees it."""
-
-    id: str
-    priority: int  # higher runs first
-    arrival: int  # earlier runs first among equal priorities
-    prompt_len: int  # tokens still to prefill
-    blocks: int  # KV blocks it needs to be admitted
 
 
 def reference_schedule_step(running, waiting, token_budget, max_num_seqs, free_blocks, *, order=None,
@@ -168,15 +158,6 @@ def _explain(cases, answers, reference, mistakes):
     return cases[first], answers[first], expected[first], why
 
 
-@dataclass(frozen=True)
-class Running:
-    """A running sequence as the victim exercise sees it."""
-
-    id: str
-    priority: int  # higher runs first
-    arrival: int  # earlier runs first among equal priorities
-    block_table: tuple[int, ...]  # the KV blocks it holds
-
 
 def reference_choose_victim(grower, running, ref_counts, write_block, *, order=None, from_top=False,
                             only_below=True, must_help=True, sibling_rule=True, sibling_needs_two=True,
@@ -271,14 +252,6 @@ def choose_victim(ns):
                              f"arrival, block_table), ref_counts={ref_counts}, write_block={write_block}")
     return "lowest priority and latest arrival first, below the grower, only a victim whose release helps"
 
-
-@dataclass(frozen=True)
-class Active:
-    """A running sequence as the token-budget exercise sees it."""
-
-    id: str
-    uncomputed: int  # tokens whose K/V is not computed yet: 1 for a decode
-    is_prefill: bool  # still working through its prompt (or, after a recompute, prompt and outputs)
 
 
 def reference_plan_running(running, token_budget, long_prefill_token_threshold, *, reserve="decodes", cap=True,

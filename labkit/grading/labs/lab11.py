@@ -5,7 +5,6 @@ the capstone: labkit's engine on SmolLM2 run with the student's own parts."""
 import functools
 import random
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from labkit.cache.block_manager import Block, BlockManager
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.grading import ExerciseFailed, exercise, raised_type, require
+from labkit.grading.records import Sample
 from labkit.sampling.stop import find_stop_string
 
 STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "block_tables")
@@ -246,16 +246,6 @@ def _diagnose_stop(got, want, pieces, stop, include) -> str:
 
 
 # --- exercise 3: abort a request, with Lab 09's release -----------------------------------------
-@dataclass
-class Sample:
-    """One sample (sequence) of a request as the abort exercise sees it: labkit's Sequence reduced
-    to what abort reads and changes."""
-
-    request_id: int
-    index: int  # sample `index` of its request (SamplingParams.n); 0 is the request's first
-    block_table: list[int]
-    finish_reason: str | None = None
-
 
 UNKNOWN_REQUEST = 999
 

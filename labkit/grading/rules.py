@@ -1,0 +1,163 @@
+"""Course rules checked on the notebook as handed in: no reaching around the tripwires.
+
+Inside a student's kernel, what an exercise forbids is a tripwire (`labkit.grading.forbidden`), and
+code in that kernel can undo one. So the trusted side also reads the notebook itself, which no
+kernel can change, and fails a lab whose own code uses the tools that undo or sidestep tripwires:
+reading or rebuilding code at run time (`inspect`, `__code__`, `exec`, `importlib.reload`, ...), the
+grading machinery (`labkit.grading` beyond `check`), torch's internal operators, other processes,
+shell escapes and magics, or a module the notebook's folder holds rather than the environment.
+Cells the same as the handed-out notebook's are the course's own and are not checked.
+
+This is a best-effort check of a course rule, not a proof: code obfuscated past what an AST shows,
+or labkit's code retyped by hand, is not caught by machine (the README lists what is known).
+"""
+
+import ast
+import functools
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+CELL_LIMIT = 2**20  # a cell longer than this is not parsed: it breaks the rules by its size alone
+MODULES = {  # importing these is reaching around the tripwires
+    "inspect": "reads code at run time", "importlib": "reloads or re-imports modules",
+    "imp": "reloads or re-imports modules", "ctypes": "calls C and reads memory directly",
+    "cffi": "calls C directly", "gc": "finds objects the grader holds", "builtins": "replaces built-ins",
+    "marshal": "builds code objects", "types": "builds functions from code objects",
+    "runpy": "runs code from files", "code": "runs code from strings", "codeop": "compiles code at run time",
+    "linecache": "reads source files", "pydoc": "reads source files", "pickle": "can call any function",
+    "dill": "copies functions", "cloudpickle": "copies functions", "copyreg": "changes how objects copy",
+    "zipimport": "imports code from archives", "subprocess": "runs other processes",
+    "multiprocessing": "runs other processes", "pty": "runs other processes",
+}
+NAMES = {"exec": "runs code from a string", "eval": "runs code from a string", "compile": "builds code objects",
+         "__import__": "imports by name at run time", "globals": "reaches the namespace the grader arms",
+         "vars": "reaches a module's namespace", "get_ipython": "drives the kernel the grader talks to",
+         "breakpoint": "stops the kernel"}
+DUNDERS = {"__code__", "__globals__", "__closure__", "__wrapped__", "__builtins__", "__dict__", "__subclasses__",
+           "__func__", "__file__", "__loader__", "__spec__", "__defaults__", "__kwdefaults__", "__getattribute__",
+           "__bases__", "__mro__", "__base__", "__self__"}
+FRAMES = {"f_back", "f_locals", "f_globals", "f_builtins", "f_code", "tb_frame", "tb_next", "gi_frame", "cr_frame",
+          "ag_frame", "gi_code", "co_code", "co_consts"}
+DYNAMIC_ATTRIBUTE = {"getattr", "setattr", "delattr"}
+SYS_ATTRIBUTES = {"modules", "meta_path", "path_hooks", "path_importer_cache", "_getframe", "settrace",
+                  "setprofile", "addaudithook", "path"}
+OS_ATTRIBUTES = re.compile(r"^(system|popen|exec\w*|spawn\w*|fork\w*|posix_spawn\w*|kill\w*|setsid)$")
+GRADING_ALLOWED = {"check", "ExerciseFailed", "records"}
+MAGICS_ALLOWED = {"time", "timeit", "matplotlib", "env"}
+MAGIC = re.compile(r"^[ \t]*(%%?|!)([A-Za-z_]\w*)?", re.MULTILINE)
+
+
+def violations(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None) -> list[str]:
+    """What the notebook's own cells (those not as handed out) do that the course rules forbid, one
+    line each, naming the cell."""
+    course = {c.source for c in handed_out.cells if c.cell_type == "code"} if handed_out is not None else set()
+    found = []
+    for number, cell in enumerate(nb.cells, start=1):
+        if cell.cell_type == "code" and cell.source not in course:
+            found += [f"cell {number} {what}" for what in cell_violations(cell.source)]
+    return list(dict.fromkeys(found))
+
+
+def cell_violations(source: str) -> list[str]:
+    if len(source) > CELL_LIMIT:
+        return [f"is over {CELL_LIMIT // 2**10} KiB, too long to check"]
+    found = []
+    for match in MAGIC.finditer(source):
+        kind, name = match.group(1), match.group(2) or ""
+        if kind == "!" or name not in MAGICS_ALLOWED:
+            found.append(f"runs `{kind}{name}`, a shell command or magic (only %time, %timeit, %matplotlib and "
+                         "%env may be used)")
+    lines = ["" if MAGIC.match(line) else line for line in source.splitlines()]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return found
+    for node in ast.walk(tree):
+        found += _node_violations(node)
+    return found
+
+
+def _node_violations(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [v for alias in node.names for v in _module_violations(alias.name)]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            return [f"imports from `{'.' * node.level}{node.module or ''}`, a module of the notebook's folder"]
+        module = node.module or ""
+        found = _module_violations(module)
+        for alias in node.names:  # `from x import y` reaches what `x.y` does
+            found += _member_violations(module, alias.name) + _module_violations(f"{module}.{alias.name}")
+            if alias.name in MODULES:
+                found.append(f"imports `{alias.name}` from `{module}`, which {MODULES[alias.name]}")
+        return found
+    if isinstance(node, ast.Name) and node.id in NAMES:
+        return [f"uses `{node.id}`, which {NAMES[node.id]}"]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_ATTRIBUTE
+            and not (len(node.args) > 1 and isinstance(node.args[1], ast.Constant))):
+        return [f"uses `{node.func.id}` with a computed name, which hides what it reaches"]
+    if isinstance(node, ast.Attribute):
+        return _attribute_violations(node)
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in DUNDERS:
+        return [f"names `{node.value}`, which reaches into code and modules"]
+    return []
+
+
+def _attribute_violations(node: ast.Attribute) -> list[str]:
+    if node.attr in DUNDERS:
+        return [f"uses `{node.attr}`, which reaches into code and modules"]
+    if node.attr in FRAMES:
+        return [f"uses `{node.attr}`, which reaches into the grader's frames and code"]
+    return _member_violations(_dotted(node.value), node.attr)
+
+
+def _member_violations(base: str, name: str) -> list[str]:
+    """What `base.name` (an attribute, or `from base import name`) reaches, if the rules forbid it."""
+    if base == "sys" and name in SYS_ATTRIBUTES:
+        return [f"uses `sys.{name}`, which reaches around the grader"]
+    if base == "os" and OS_ATTRIBUTES.match(name):
+        return [f"uses `os.{name}`, which runs or signals other processes"]
+    internal = name.startswith("_") and not name.endswith("__") or name in ("ops", "library")
+    if base == "torch" and internal:
+        return [f"uses `torch.{name}`, torch's internal operators"]
+    if (base, name) == ("labkit", "grading") or base == "labkit.grading" and name not in GRADING_ALLOWED:
+        return [f"uses `{base}.{name}`, the grading machinery"]
+    return []
+
+
+def _module_violations(name: str) -> list[str]:
+    top = name.split(".")[0]
+    if top in MODULES:
+        return [f"imports `{name}`, which {MODULES[top]}"]
+    if name.startswith("labkit.grading.") and name.split(".")[2] not in GRADING_ALLOWED:
+        return [f"imports `{name}`, the grading machinery"]
+    if top not in _importable_tops():
+        return [f"imports `{name}`, which is not a module of the course's environment (a file of the "
+                "notebook's folder?)"]
+    return []
+
+
+def _dotted(node: ast.expr) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    return ".".join([node.id, *reversed(parts)])
+
+
+@functools.cache
+def _importable_tops() -> frozenset[str]:
+    """Top-level modules of the standard library and of the installed distributions, labkit's too."""
+    installed = set(importlib.metadata.packages_distributions())
+    return frozenset(installed | set(sys.stdlib_module_names) | set(sys.builtin_module_names) | {"labkit"})
+
+
+def handed_out(lab: str, root: Path) -> nbformat.NotebookNode | None:
+    """The student notebook of `lab` as the course hands it out (None if the course has none)."""
+    found = sorted((root / "notebooks").glob(f"{lab}_*.ipynb"))
+    return nbformat.read(found[0], as_version=4) if found else None

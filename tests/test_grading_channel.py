@@ -1,0 +1,511 @@
+"""The trusted side of grading, piece by piece: the channel to a kernel, the codec, the tripwires and
+the course rules, the sandbox's command line and its kill, the fingerprint of what grades.
+
+Whole classes of attack notebooks, graded through the real command, are in test_grading_attacks.py.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import OrderedDict, deque
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from labkit.cache.block_manager import Block
+from labkit.grading import ExerciseFailed, exercise, integrity, require, rules, sandbox
+from labkit.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
+from labkit.grading.core import _REGISTRY, get_exercise, run_exercise
+from labkit.grading.forbidden import static_violations
+from labkit.grading.integrity import COURSE_ROOT
+from labkit.grading.remote import receive_frame, send_frame
+from labkit.grading.report import _cell, escape, format_table
+from labkit.sampling import filter_logits
+
+HOW = "bwrap" if sandbox.bwrap_problem() is None else "none"
+
+
+def _notebook(folder: Path, name: str, *cells: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, folder / name)
+    return folder / name
+
+
+# --- one real kernel, graded in-process: the channel, tripwires and write-backs ------------------------
+
+@pytest.fixture
+def lab99():
+    """Exercises of a lab the course does not have, registered for this test only."""
+    registered = []
+
+    def register(name, forbidden=()):
+        def decorate(grader):
+            registered.append(("99", name))
+            return exercise("99", name, forbidden=forbidden)(grader)
+        return decorate
+
+    yield register
+    for key in registered:
+        _REGISTRY.pop(key, None)
+
+
+def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_mutations_come_back(tmp_path, lab99):
+    from labkit.grading.session import grade_contained, read_notebook
+
+    def same_as_filter_logits(name):
+        def grader(ns):
+            logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(0))
+            got = require(ns, name)(logits.clone(), 2)
+            if not torch.equal(got, filter_logits(logits, top_k=2)):
+                raise ExerciseFailed("wrong")
+            return "ok"
+        return grader
+
+    for name in ("top_k", "top_k_caught"):
+        lab99(name, forbidden=("labkit.sampling.filter_logits",))(same_as_filter_logits(name))
+
+    @lab99("peek")
+    def peek(ns):
+        want = torch.arange(5.0) * 3
+        if not torch.equal(require(ns, "peek")(torch.arange(5.0)), want):
+            raise ExerciseFailed("wrong")
+        return "ok"
+
+    @lab99("mutate")
+    def mutate(ns):
+        buffer = torch.zeros(10)
+        view = buffer[2:6]
+        queue, order, table = deque([1, 2]), OrderedDict([(3, None), (4, None)]), {7: 1}
+        blocks = [Block(0), Block(1)]
+        generator = torch.Generator().manual_seed(5)
+        result = require(ns, "mutate")(view, queue, order, table, blocks, blocks[1], generator)
+        expected_draw = torch.rand(1, generator=torch.Generator().manual_seed(5).manual_seed(5))
+        checks = [buffer.tolist() == [0, 0, 1, 1, 1, 1, 0, 0, 0, 0], list(queue) == [2], list(order) == [4, 3],
+                  table == {}, blocks[1].ref_count == 2, blocks[1].token_ids == (9, 9),
+                  result[0] is blocks[1], result[1] is view, not torch.equal(torch.rand(1, generator=generator),
+                                                                            expected_draw)]
+        if not all(checks):
+            raise ExerciseFailed(f"mutations lost: {checks}")
+        return "ok"
+
+    student = _notebook(
+        tmp_path / "student", "99_attacks.ipynb",
+        "import sys, torch\nfrom labkit.sampling import filter_logits as keep_it",
+        "def top_k(logits, k):\n    return keep_it(logits, top_k=k)",
+        "import labkit.sampling\ndef top_k_caught(logits, k):\n    try:\n"
+        "        return labkit.sampling.filter_logits(logits, top_k=k)\n    except Exception:\n        return logits",
+        "def peek(x):\n    frame = sys._getframe()\n    while frame is not None:\n"
+        "        if 'want' in frame.f_locals:\n            return frame.f_locals['want']\n"
+        "        frame = frame.f_back\n    return x",
+        "def mutate(view, queue, order, table, blocks, block, generator):\n    view.fill_(1)\n    queue.popleft()\n"
+        "    order.move_to_end(3)\n    table.clear()\n    block.ref_count = 2\n    block.token_ids = (9, 9)\n"
+        "    torch.rand(1, generator=generator)\n    return block, view")
+    run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
+    got = {o.name: o for o in run.outcomes}
+    assert got["top_k"].message == "`filter_logits` is labkit's answer to this exercise: write your own"
+    assert got["top_k_caught"].message == got["top_k"].message, "catching the tripwire does not help"
+    assert got["peek"].message == "wrong", "the grader's frames are not in the student's process"
+    assert got["mutate"].passed, got["mutate"].message
+    # in-process (a notebook's check cell), the same peek does see the grader's frame: only the
+    # trusted path is a score
+    namespace = {}
+    exec("import sys\n" + nbformat.read(student, 4).cells[3].source, namespace)
+    assert run_exercise(get_exercise("99", "peek"), namespace).passed
+
+
+# --- in-process: tripwires, static checks and the codec ------------------------------------------------
+
+
+
+# --- in-process: tripwires, static checks and the codec ------------------------------------------------
+
+def test_tripwires_catch_aliases_and_restore_everything():
+    originals = torch.softmax, torch.Tensor.softmax, torch.special.softmax, torch.nn.functional.softmax
+    namespace = {}
+    exec("from torch.special import softmax as s\ndef softmax(x):\n    return s(x, -1)", namespace)
+    outcome = run_exercise(get_exercise("00", "softmax"), namespace)
+    assert not outcome.passed and "`torch.special.softmax`" in outcome.message
+    assert namespace["s"] is torch.special.softmax
+    assert (torch.softmax, torch.Tensor.softmax, torch.special.softmax, torch.nn.functional.softmax) == originals
+    assert "softmax" not in vars(torch.Tensor), "an inherited method is restored by removing the tripwire"
+
+
+def test_the_static_check_sees_a_forbidden_call_on_a_path_the_tests_never_take():
+    source = "def softmax(x):\n    if x.numel() < 0:\n        return x.softmax(-1)\n    return x"
+    assert static_violations(source, "softmax", ("torch.Tensor.softmax",)) == ["torch.Tensor.softmax"]
+    assert static_violations("%time\n" + source, "softmax", ("labkit.sampling.filter_logits",)) == []
+    imports = "def f(x):\n    from labkit.sampling import filter_logits\n    return filter_logits(x)"
+    assert static_violations(imports, "f", ("labkit.sampling.filter_logits",)) == ["labkit.sampling.filter_logits"]
+
+
+def test_the_codec_keeps_views_and_shared_objects_and_writes_back_in_place():
+    buffer = torch.arange(12.0)
+    block = Block(3, 1, 77, (1, 2))
+    value = [buffer[2:5], buffer.view(3, 4), {"b": block, "again": block}, (None, 1.5, float("nan")), b"\x00"]
+    sender = Encoder()
+    receiver = Decoder()
+    decoded = receiver.decode(loads(dumps(sender.encode(value))))
+    assert decoded[0].untyped_storage().data_ptr() == decoded[1].untyped_storage().data_ptr()
+    assert decoded[2]["b"] is decoded[2]["again"] and decoded[2]["b"].hash == 77
+    assert decoded[3][2] != decoded[3][2] and decoded[4] == b"\x00"
+    decoded[1][0, 0] = -1.0  # what the far side does to its copies...
+    decoded[2]["b"].ref_count = 5
+    decoded[0].unsqueeze_(0)
+    replier = Encoder(known={identity(obj): n for n, obj in receiver.objects.items()})
+    updates = loads(dumps([[n, replier.contents(obj, n)] for n, obj in receiver.objects.items()]))
+    originals = {sender.ids[identity(obj)]: obj for obj in sender.keep}
+    writer = Decoder(known=originals)
+    for n, node in updates:
+        writer.fill(originals[n], node)
+    assert buffer[0] == -1.0, "...lands in the caller's own tensor"
+    assert block.ref_count == 5 and value[0].shape == (1, 3) and value[0].storage_offset() == 2
+
+
+@pytest.mark.parametrize(
+    ("node", "error"),
+    [
+        ({"t": "obj", "type": "os:system", "fields": {}}, "may not cross"),
+        ({"t": "obj", "type": "labkit.grading.labs.lab00:torch", "fields": {}}, "may not cross"),
+        ({"t": "tensor", "storage": {"t": "storage", "device": "cpu", "b": "AAAA"}, "dtype": "float32",
+          "shape": [100], "stride": [1], "offset": 0}, "reach outside its storage"),
+        ({"t": "tensor", "storage": {"t": "storage", "device": "cpu", "b": ""}, "dtype": "os", "shape": [],
+          "stride": [], "offset": 0}, "unknown dtype"),
+        ({"t": "pickle", "b": "gASVAAAA"}, "unknown node type"),
+        ({"ref": 5}, "unknown object"),
+    ],
+)
+def test_the_codec_refuses_what_is_not_on_its_list(node, error):
+    with pytest.raises(CodecError, match=error):
+        Decoder().decode(node)
+    with pytest.raises(CodecError, match="bare NaN"):
+        loads('{"a": NaN}')
+    with pytest.raises(CodecError, match="cannot be sent"):
+        Encoder().encode(object())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_a_kernel_takes_its_whole_tree():
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
+                               "subprocess.Popen(['sleep', '1000'])\ntime.sleep(1000)"], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while len(sandbox.descendants(leader.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tree = sandbox.descendants(leader.pid)
+    assert len(tree) == 2
+    assert sandbox.kill_tree(leader.pid) == []
+    leader.wait(timeout=10)
+    assert not any(_alive(pid) for pid in tree)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a kernel gets a uid of its own only when grading as root")
+def test_every_process_of_a_kernels_uid_dies_even_detached():
+    uid = sandbox.UIDS.take()
+    detached = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], start_new_session=True,
+                                cwd="/")
+    leader = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], cwd="/")
+    assert sandbox.processes_of_uid(uid)
+    assert sandbox.kill_tree(leader.pid, uid) == []
+    for process in (detached, leader):
+        process.wait(timeout=10)
+    assert not any(_alive(pid) for pid in sandbox.processes_of_uid(uid))
+
+
+def test_numpy_arrays_and_generators_cross_the_codec():
+    """Lab 16 hands the student a numpy Generator and gets an array back: both must travel as data."""
+    import numpy as np
+
+    rng, array = np.random.default_rng(3), np.arange(6.0).reshape(2, 3)
+    got_rng, got_array = Decoder().decode(loads(dumps(Encoder().encode([rng, array]))))
+    assert got_rng.random() == np.random.default_rng(3).random()
+    assert got_array.dtype == array.dtype and np.array_equal(got_array, array)
+    with pytest.raises(CodecError, match="unknown numpy bit generator"):
+        Decoder().decode(loads(dumps({"t": "np_generator", "state": json.dumps({"bit_generator": "os.system"})})))
+
+
+# --- the sandbox: what a kernel sees, and what it is --------------------------------------------------
+
+def _mounts(command: list[str]) -> list[tuple[str, ...]]:
+    """bubblewrap's options as (option, its arguments) in order, up to the command it runs."""
+    arity = {"--ro-bind": 2, "--bind": 2, "--symlink": 2, "--tmpfs": 1, "--dir": 1, "--perms": 1, "--size": 1,
+             "--proc": 1, "--dev": 1, "--chdir": 1, "--setenv": 2}
+    found, i = [], 1
+    while command[i] != "--":
+        n = arity.get(command[i], 0)
+        found.append(tuple(command[i:i + 1 + n]))
+        i += 1 + n
+    return found
+
+
+def test_a_kernel_is_given_labkit_and_its_python_never_the_checkout(monkeypatch, tmp_path):
+    """A course cloned under /tmp (as CI does) is bound onto the sandbox's fresh /tmp, but only its labkit
+    and environment: not .git, solutions/, notebooks/ or the reports; the graders are hidden."""
+    monkeypatch.setattr(sandbox, "COURSE_ROOT", Path("/tmp/ci/course"))
+    monkeypatch.setattr(sandbox.sys, "prefix", "/tmp/ci/course/.venv")
+    workdir = sandbox.Workdir.create(None)
+    try:
+        mounts = _mounts(sandbox.wrap_command(["python"], workdir, sandbox.Limits(), None, "bwrap"))
+    finally:
+        workdir.remove()
+    binds = [m[1] for m in mounts if m[0] in ("--ro-bind", "--bind")]
+    assert "/tmp/ci/course/labkit" in binds and "/tmp/ci/course/.venv" in binds
+    assert not any(b in ("/tmp/ci/course", "/", "/tmp", "/root", "/home") for b in binds)
+    labkit = mounts.index(("--ro-bind", "/tmp/ci/course/labkit", "/tmp/ci/course/labkit"))
+    assert mounts.index(("--tmpfs", "/tmp")) < labkit < mounts.index(("--tmpfs", "/tmp/ci/course/labkit/grading/labs"))
+    assert ("--tmpfs", str(workdir.home)) in mounts and ("--bind", str(workdir.channel), str(workdir.channel)) in mounts
+    assert [m for m in mounts if m[0] == "--size"] == [("--size", str(sandbox.Limits().tmpfs_bytes))] * 3
+    assert {("--unshare-net",), ("--unshare-pid",), ("--die-with-parent",), ("--new-session",)} <= set(mounts)
+
+
+PROBE = """
+import ctypes, json, os, sys
+seen = {}
+def attempt(name, action):
+    try:
+        seen[name] = repr(action())[:200]
+    except Exception as error:
+        seen[name] = type(error).__name__
+status = dict(line.split(':', 1) for line in open('/proc/self/status') if ':' in line)
+seen['ids'] = [os.getuid(), os.geteuid(), os.getgid(), os.getgroups()]
+seen['caps'] = [status[k].strip() for k in ('CapPrm', 'CapEff', 'CapBnd', 'CapAmb', 'NoNewPrivs')]
+course = sys.argv[1]
+attempt('course', lambda: sorted(os.listdir(course)))
+attempt('graders', lambda: sorted(os.listdir(course + '/labkit/grading/labs')))
+attempt('secret', lambda: open(sys.argv[2]).read())
+attempt('write_labkit', lambda: open(course + '/labkit/planted.py', 'w'))
+attempt('write_venv', lambda: open(sys.prefix + '/planted.pth', 'w'))
+attempt('setuid0', lambda: os.setuid(0))
+libc = ctypes.CDLL(None, use_errno=True)
+seen['umount_tmp'] = [libc.umount2(b'/tmp', 2), ctypes.get_errno()]
+seen['remount_root'] = [libc.mount(b'none', b'/', None, 32 | 4096 | 1 ^ 1, None), ctypes.get_errno()]
+attempt('processes', lambda: sorted(p for p in os.listdir('/proc') if p.isdigit()))
+attempt('etc', lambda: sorted(os.listdir('/etc')))
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(HOW != "bwrap", reason="bubblewrap does not work on this machine")
+def test_a_sandboxed_process_has_no_privilege_and_sees_only_what_it_needs(tmp_path):
+    secret = tmp_path / "instructor-secret.txt"
+    secret.write_text("the instructor's secret")
+    secret.chmod(0o600)
+    uid = sandbox.UIDS.take() if sandbox.is_root() else None
+    workdir = sandbox.Workdir.create(uid)
+    try:
+        command = sandbox.wrap_command([sys.executable, "-c", PROBE, str(COURSE_ROOT), str(secret)], workdir,
+                                       sandbox.Limits(), uid, "bwrap")
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=sandbox.kernel_env(workdir),
+                              cwd=workdir.root)
+    finally:
+        workdir.remove()
+        if uid is not None:
+            sandbox.UIDS.give_back(uid)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    if uid is not None:
+        assert seen["ids"] == [uid, uid, uid, []], "as root, the kernel runs as a uid of its own"
+    assert seen["caps"] == ["0000000000000000"] * 4 + ["1"], "no capabilities, and no way to gain any"
+    assert json.loads(seen["course"].replace("'", '"')) == sorted({"labkit", ".venv"} & set(os.listdir(COURSE_ROOT)))
+    assert seen["graders"] == "[]", "the graders and the knowledge checks' keys are not there"
+    assert seen["secret"] == "FileNotFoundError"
+    assert seen["write_labkit"] in ("OSError", "PermissionError") and seen["write_venv"] in ("OSError",
+                                                                                               "PermissionError")
+    assert not (COURSE_ROOT / "labkit" / "planted.py").exists()
+    assert seen["setuid0"] == "PermissionError"
+    assert seen["umount_tmp"][0] == -1 and seen["remount_root"][0] == -1
+    assert len(json.loads(seen["processes"].replace("'", '"'))) <= 3, "its own process namespace"
+    assert "shadow" not in seen["etc"] and "sudoers" not in seen["etc"]
+
+
+@pytest.mark.skipif(not sandbox.is_root(), reason="only root drops to another uid")
+def test_confine_drops_every_capability_for_good():
+    uid = sandbox.UIDS.take()
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", str(sandbox.CONFINE), "--uid", str(uid), "--file-bytes",
+                               "1024", "--processes", "8", "--", "/bin/sh", "-c",
+                               "cat /proc/self/status; echo FSIZE $(ulimit -f)"],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        sandbox.UIDS.give_back(uid)
+    assert done.returncode == 0, done.stderr
+    status = dict(line.split(":", 1) for line in done.stdout.splitlines() if ":" in line)
+    assert all(int(status[k], 16) == 0 for k in ("CapPrm", "CapEff", "CapBnd", "CapAmb"))
+    assert status["NoNewPrivs"].strip() == "1" and status["Uid"].split() == [str(uid)] * 4
+    assert "FSIZE 2" in done.stdout, "ulimit -f counts 512-byte blocks"
+
+
+def test_a_full_channel_folder_is_noticed(tmp_path):
+    workdir = sandbox.Workdir.create(None)
+    try:
+        assert workdir.channel_overflow(100) is None
+        (workdir.channel / "junk").write_bytes(b"x" * 101)
+        assert "101 bytes" in workdir.channel_overflow(100)
+        for i in range(70):
+            (workdir.channel / f"f{i}").touch()
+        assert "too many files" in workdir.channel_overflow(10**9)
+    finally:
+        workdir.remove()
+
+
+# --- reading a kernel's replies: bounded in time, size and work ----------------------------------------
+
+def test_half_a_frame_then_silence_times_out_instead_of_blocking():
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(b"\x00\x00\x00\x00\x00\x00\x00\x64" + b"x" * 10)  # says 100 bytes, sends 10
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="stopped after 10 of its 100 bytes"):
+            receive_frame(ours, 1000, time.monotonic() + 0.5)
+        assert time.monotonic() - started < 2
+        theirs.sendall(b"\x00\x00\x00\x00\x7f\x00\x00\x00")
+        with pytest.raises(CodecError, match="exceeds the limit of 1000"):
+            receive_frame(ours, 1000, time.monotonic() + 0.5)
+    finally:
+        ours.close()
+        theirs.close()
+    a, b = socket.socketpair()
+    send_frame(a, '{"nonce": 1}')
+    assert receive_frame(b, 100, time.monotonic() + 1) == '{"nonce": 1}'
+    a.close()
+    b.close()
+
+
+def _timed_decode(node):
+    started = time.monotonic()
+    try:
+        return Decoder().decode(loads(dumps(node)))
+    finally:
+        assert time.monotonic() - started < 2, "decoding is linear in the message"
+
+
+@pytest.mark.parametrize("kind", ["set", "dict", "frozenset"])
+def test_elements_that_collide_in_hash_are_refused_not_inserted(kind):
+    modulus = 2**61 - 1  # hash(n) == n mod this, for ints: these all hash to 1
+    items = [1 + k * modulus for k in range(20_000)]
+    node = {"t": kind, "items": [[i, None] for i in items] if kind == "dict" else items}
+    with pytest.raises(CodecError, match="share one hash"):
+        _timed_decode(node)
+    assert _timed_decode({"t": kind, "items": [[i, 0] for i in range(20_000)] if kind == "dict"
+                          else list(range(20_000))})
+
+
+def test_a_tensor_repeated_by_zero_strides_is_refused():
+    storage = {"t": "storage", "device": "cpu", "b": "AAAAAA=="}  # 4 bytes
+    huge = {"t": "tensor", "storage": storage, "dtype": "float32", "shape": [2**28, 4], "stride": [0, 0],
+            "offset": 0}
+    with pytest.raises(CodecError, match="zero strides"):
+        _timed_decode(huge)
+    small = dict(huge, shape=[1000, 4])  # a broadcast view of a few KiB is still a value a grader may get
+    assert _timed_decode(small).shape == (1000, 4)
+    with pytest.raises(CodecError, match="non-negative integers"):
+        _timed_decode(dict(huge, shape=[2**60], stride=[0]))
+
+
+def test_deep_nesting_and_lying_arrays_are_refused_before_any_work():
+    node = {"t": "list", "items": []}
+    for _ in range(100):
+        node = {"t": "list", "items": [node]}
+    with pytest.raises(CodecError, match="nested deeper"):
+        _timed_decode(node)
+    with pytest.raises(CodecError, match="do not match its shape"):
+        _timed_decode({"t": "ndarray", "dtype": "<f8", "shape": [2**40], "b": ""})
+
+
+# --- the report: what a student names is shown, never obeyed --------------------------------------------
+
+def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
+    from labkit.grading.core import Outcome
+    from labkit.grading.report import LabReport
+
+    name = "00_x\nstudent  00  softmax  1/1  ✔ forged\ntotal 93∕93\x1b[2K\u202e.ipynb"
+    reports = [LabReport("00", name, [Outcome("00", "softmax", 0, 1, "wrong")], "mallory\nbob: total 93/93",
+                         note="duplicate: also handed in " + escape(name)),
+               LabReport("00", "00_setup.ipynb", [Outcome("00", "softmax", 1, 1, "ok")], "alice")]
+    lines = format_table(reports).splitlines()
+    assert not any("\x1b" in line or "\u202e" in line for line in lines)
+    assert not any(line.startswith(("bob", "total", "student  00  softmax")) for line in lines), lines
+    assert lines[-2:] == ["mallory\\nbob: total 93/93: total 0/1", "alice: total 1/1"]
+    assert escape(name).count("\\n") == 2 and "\\x1b[2K\\u202e" in escape(name)
+    assert [_cell(n) for n in ("=HYPERLINK(1)", "+1", "-2", "@x", "alice")] == \
+        ["'=HYPERLINK(1)", "'+1", "'-2", "'@x", "alice"]
+
+
+# --- the course rules, read from the notebook as handed in ------------------------------------------
+
+@pytest.mark.parametrize(("source", "named"), [
+    ("import inspect, labkit.sampling\nexec(inspect.getsource(labkit.sampling.filter_logits))", "inspect"),
+    ("import labkit.sampling as s\nf = type(s.filter_logits)(s.filter_logits.__code__, s.filter_logits.__globals__)",
+     "__code__"),
+    ("import importlib, labkit.sampling\nimportlib.reload(labkit.sampling)", "importlib"),
+    ("def top_k(x, k):\n    import sys\n    return sys._getframe(1).f_locals['wires']", "f_locals"),
+    ("try:\n    1 / 0\nexcept Exception as e:\n    frame = e.__traceback__.tb_frame", "tb_frame"),
+    ("from labkit.grading.labs import lab06\nanswers = dict(lab06.QUESTIONS)", "labkit.grading.labs"),
+    ("from labkit import grading\nkey = grading.labs", "labkit.grading"),
+    ("import gc\nsaved = [o for o in gc.get_objects()]", "gc"),
+    ("f = getattr(torch, '_' + 'C')", "getattr"),
+    ("from torch import _C", "torch._C"),
+    ("y = torch.ops.aten._softmax(x, -1, False)", "torch.ops"),
+    ("!cp /course/labkit/sampling/filters.py mine.py", "!cp"),
+    ("%%writefile mine.py\ndef f(): pass", "%%writefile"),
+    ("from mine import filter_logits", "mine"),
+    ("get_ipython().run_cell('1')", "get_ipython"),
+    ("import asyncio, subprocess\nsubprocess.run(['python'])", "subprocess"),
+    ("import os\nos.system('cat /course/solutions/06_sampling.ipynb')", "os.system"),
+    ("x = 1\n" * 200_000, "too long"),
+])
+def test_the_rules_name_each_way_around_the_tripwires(source, named):
+    found = rules.cell_violations(source)
+    assert found and any(named in line for line in found), found
+
+
+def test_honest_cells_and_the_handed_out_cells_break_no_rule():
+    assert rules.cell_violations("%time y = softmax(torch.randn(3))\nimport torch, math\nfrom collections import "
+                                 "deque\nprint(torch.__version__)\nsetattr(obj, 'x', 1)") == []
+    for path in sorted((COURSE_ROOT / "solutions").glob("*.ipynb")):
+        lab = path.name[:2]
+        assert rules.violations(nbformat.read(path, 4), rules.handed_out(lab, COURSE_ROOT)) == [], path.name
+    handed_out = rules.handed_out("00", COURSE_ROOT)
+    first = next(c for c in handed_out.cells if c.cell_type == "code")
+    assert rules.cell_violations(first.source), "the course's own setup cell would break the rules..."
+    assert rules.violations(handed_out, handed_out) == [], "...so the course's cells, as handed out, are exempt"
+    changed = nbformat.from_dict(handed_out)
+    next(c for c in changed.cells if c.cell_type == "code").source += "\n# changed"
+    assert rules.violations(changed, handed_out), "a course cell the student edited is checked like theirs"
+
+
+# --- what grades: the course and its Python, fingerprinted ---------------------------------------------
+
+def test_a_planted_pth_file_stops_grading(monkeypatch, tmp_path):
+    site_dir = tmp_path / "site-packages"
+    site_dir.mkdir()
+    monkeypatch.setattr(integrity.site, "getsitepackages", lambda: [str(site_dir)])
+    monkeypatch.setattr(integrity.site, "ENABLE_USER_SITE", False)
+    integrity.check_site_packages()
+    (site_dir / "zz_student.pth").write_text("import os; os.system('touch /tmp/pwned')\n")
+    with pytest.raises(integrity.CourseTampered, match="zz_student.pth is not a file an installed package"):
+        integrity.check_site_packages()
+
+
+def test_a_changed_environment_fails_the_fingerprint(monkeypatch, tmp_path):
+    prefix = tmp_path / "venv"
+    (prefix / "lib").mkdir(parents=True)
+    (prefix / "lib" / "module.py").write_text("x = 1\n")
+    monkeypatch.setattr(integrity.sys, "prefix", str(prefix))
+    monkeypatch.setattr(integrity.sys, "base_prefix", str(prefix))
+    before = integrity.fingerprint(python=True)
+    integrity.verify(before)
+    (prefix / "lib" / "evil.pth").write_text("import os\n")
+    with pytest.raises(integrity.CourseTampered, match="evil.pth"):
+        integrity.verify(before)
