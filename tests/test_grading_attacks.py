@@ -42,11 +42,20 @@ def _notebook(folder: Path, name: str, *cells: str) -> Path:
 
 
 def _course_copy(root: Path) -> Path:
-    """labkit, the solutions and the handed-out notebooks in a git checkout, with an instructor's secret."""
+    """labkit, the solutions and the handed-out notebooks in a git checkout, with an instructor's secret.
+
+    Its lab 00 also hands out the two cells that start processes (`RUN`, `_detached_rewriter`): in a
+    student's own cells the course rules would refuse them before they run, but the course's cells
+    are not checked and the rules are best effort, so the sandbox must contain them all the same, and
+    attack notebooks use them verbatim to show that it does."""
     course = root / "course"
     shutil.copytree(COURSE_ROOT / "labkit", course / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
     for folder in ("solutions", "notebooks"):
         shutil.copytree(COURSE_ROOT / folder, course / folder)
+    lab00 = course / "notebooks" / "00_setup.ipynb"
+    handed_out = nbformat.read(lab00, 4)
+    handed_out.cells += [nbformat.v4.new_code_cell(c) for c in (RUN, _detached_rewriter(course / "reports"))]
+    nbformat.write(handed_out, lab00)
     for name in ("pyproject.toml", "Makefile", "requirements.txt"):
         shutil.copy(COURSE_ROOT / name, course / name)
     (course / "victim.txt").write_text("a file outside every student's folder\n")
@@ -108,9 +117,10 @@ RUN = ("import asyncio\n"
        "    return process.returncode, out.decode()[-100:]\n")
 
 
-def _detached_rewriter(report: Path) -> str:
+def _detached_rewriter(reports: Path) -> str:
     """A cell that starts a process which double-forks into a session of its own (out of the kernel's
     process tree and group) and then rewrites the report every 0.1 s for 30 s."""
+    report = reports / "grades.json"
     code = ("import os, pathlib, time\n"
             "if os.fork():\n    os._exit(0)\n"
             "os.setsid()\n"
@@ -212,7 +222,7 @@ def bwrap_class(tmp_path_factory):
     for name, cell in BYPASSES.items():
         _notebook(klass / name, "00_setup.ipynb", "import torch", cell, WRONG)
     # processes and time
-    _notebook(klass / "spawner", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report_dir / "grades.json"))
+    _notebook(klass / "spawner", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report_dir))
     _notebook(klass / "sleeper", "00_setup.ipynb", "import torch", GOOD, "import time\ntime.sleep(1000)",
               "def never_defined():\n    pass")
     _notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
@@ -420,7 +430,7 @@ def test_with_no_sandbox_a_detached_process_is_killed_before_the_report(course, 
     report = course / "reports" / "grades.json"
     klass = tmp_path / "class"
     _notebook(klass / "alice", "00_setup.ipynb", "import torch", GOOD)
-    _notebook(klass / "mallory", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report))
+    _notebook(klass / "mallory", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report.parent))
     done, data = _grade(course, klass, "--no-sandbox")
     assert data is not None, done.stderr[-3000:]
     assert data["sandbox"] == "none"

@@ -457,13 +457,20 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("f = getattr(torch, '_' + 'C')", "getattr"),
     ("from torch import _C", "torch._C"),
     ("y = torch.ops.aten._softmax(x, -1, False)", "torch.ops"),
-    ("!cp /course/labkit/sampling/filters.py mine.py", "!cp"),
-    ("%%writefile mine.py\ndef f(): pass", "%%writefile"),
+    ("!cp /course/labkit/sampling/filters.py mine.py", "shell command"),
+    ("%%writefile mine.py\ndef f(): pass", "%writefile"),
     ("from mine import filter_logits", "mine"),
     ("get_ipython().run_cell('1')", "get_ipython"),
     ("import asyncio, subprocess\nsubprocess.run(['python'])", "subprocess"),
     ("import os\nos.system('cat /course/solutions/06_sampling.ipynb')", "os.system"),
     ("x = 1\n" * 200_000, "too long"),
+    ("import asyncio\nawait asyncio.create_subprocess_exec('python3', '-c', 'print(1)')", "create_subprocess_exec"),
+    ("import torch.multiprocessing as mp", "torch.multiprocessing"),
+    ("from os import *\nsystem('ls')", "imports *"),
+    ("%time exec(inspect.getsource(f))", "exec"),  # the code a %time runs is checked too...
+    ("%timeit -n 1 -r 1 eval('1')", "eval"),
+    ("listing = !cat /course/labkit/sampling/filters.py\nx = 1", "shell command"),  # ...and magics in expressions
+    ("a = %sx ls", "%sx"),
 ])
 def test_the_rules_name_each_way_around_the_tripwires(source, named):
     found = rules.cell_violations(source)
@@ -472,7 +479,9 @@ def test_the_rules_name_each_way_around_the_tripwires(source, named):
 
 def test_honest_cells_and_the_handed_out_cells_break_no_rule():
     assert rules.cell_violations("%time y = softmax(torch.randn(3))\nimport torch, math\nfrom collections import "
-                                 "deque\nprint(torch.__version__)\nsetattr(obj, 'x', 1)") == []
+                                 "deque\nprint(torch.__version__)\nsetattr(obj, 'x', 1)\n%matplotlib inline\n"
+                                 "softmax??") == []
+    assert rules.cell_violations("def f(:\n    exec('x')") == [], "a cell IPython cannot parse never runs"
     for path in sorted((COURSE_ROOT / "solutions").glob("*.ipynb")):
         lab = path.name[:2]
         assert rules.violations(nbformat.read(path, 4), rules.handed_out(lab, COURSE_ROOT)) == [], path.name

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+from IPython.core.inputtransformer2 import TransformerManager
 
 CELL_LIMIT = 2**20  # a cell longer than this is not parsed: it breaks the rules by its size alone
 MODULES = {  # importing these is reaching around the tripwires
@@ -45,10 +46,12 @@ FRAMES = {"f_back", "f_locals", "f_globals", "f_builtins", "f_code", "tb_frame",
 DYNAMIC_ATTRIBUTE = {"getattr", "setattr", "delattr"}
 SYS_ATTRIBUTES = {"modules", "meta_path", "path_hooks", "path_importer_cache", "_getframe", "settrace",
                   "setprofile", "addaudithook", "path"}
+PROCESS_MEMBERS = {"create_subprocess_exec", "create_subprocess_shell", "subprocess_exec", "subprocess_shell",
+                   "ProcessPoolExecutor", "Popen"}
 OS_ATTRIBUTES = re.compile(r"^(system|popen|exec\w*|spawn\w*|fork\w*|posix_spawn\w*|kill\w*|setsid)$")
 GRADING_ALLOWED = {"check", "ExerciseFailed", "records"}
-MAGICS_ALLOWED = {"time", "timeit", "matplotlib", "env"}
-MAGIC = re.compile(r"^[ \t]*(%%?|!)([A-Za-z_]\w*)?", re.MULTILINE)
+MAGICS_ALLOWED = {"matplotlib", "env", "pinfo", "pinfo2"}  # and %time, %timeit, whose code is checked
+TIMEIT_OPTIONS = re.compile(r"^\s*(?:-[nrp]\s*\d+\s+|-[tcqo]+\s+)*")
 
 
 def violations(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None) -> list[str]:
@@ -63,22 +66,62 @@ def violations(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | No
 
 
 def cell_violations(source: str) -> list[str]:
+    """What one cell does that the rules forbid. The cell is read as IPython runs it (its magics and
+    shell escapes turned into the calls they make); a cell that is not Python even then cannot run."""
     if len(source) > CELL_LIMIT:
         return [f"is over {CELL_LIMIT // 2**10} KiB, too long to check"]
-    found = []
-    for match in MAGIC.finditer(source):
-        kind, name = match.group(1), match.group(2) or ""
-        if kind == "!" or name not in MAGICS_ALLOWED:
-            found.append(f"runs `{kind}{name}`, a shell command or magic (only %time, %timeit, %matplotlib and "
-                         "%env may be used)")
-    lines = ["" if MAGIC.match(line) else line for line in source.splitlines()]
     try:
-        tree = ast.parse("\n".join(lines))
+        tree = ast.parse(TransformerManager().transform_cell(source))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return found
-    for node in ast.walk(tree):
+        return []
+    found: list[str] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        magic = _ipython_call(node)
+        if magic is not None:
+            found += _magic_violations(*magic)
+            continue
         found += _node_violations(node)
+        todo += ast.iter_child_nodes(node)
     return found
+
+
+def _ipython_call(node: ast.AST) -> tuple[str, list] | None:
+    """("magic name" or "!", its string arguments) for `get_ipython().<method>(...)`, as IPython
+    writes magics and shell escapes."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
+            and node.func.value.func.id == "get_ipython"):
+        return None
+    args = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
+    if node.func.attr in ("run_line_magic", "run_cell_magic") and args and isinstance(args[0], str):
+        return args[0], args[1:]
+    return ("!", args) if node.func.attr in ("system", "getoutput") else None
+
+
+def _magic_violations(name: str, args: list) -> list[str]:
+    if name in ("time", "timeit"):  # they run their line (after timeit's options) and their cell as code
+        if not all(isinstance(a, str) for a in args):
+            return [f"runs `%{name}` on code that cannot be checked"]
+        line, *cell = args
+        if name == "timeit":
+            line = TIMEIT_OPTIONS.sub("", line)
+        found = [v for code in [line, *cell] for v in cell_violations(code)]
+        unreadable = [code for code in [line, *cell] if code.strip() and not _parses(code)]
+        return found + ([f"runs `%{name}` on code that cannot be checked"] if unreadable else [])
+    if name in MAGICS_ALLOWED:
+        return []
+    shown = "a shell command" if name == "!" else f"the magic `%{name}`"
+    return [f"runs {shown} (only %time, %timeit, %matplotlib, %env and ? may be used)"]
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
 
 
 def _node_violations(node: ast.AST) -> list[str]:
@@ -89,6 +132,8 @@ def _node_violations(node: ast.AST) -> list[str]:
             return [f"imports from `{'.' * node.level}{node.module or ''}`, a module of the notebook's folder"]
         module = node.module or ""
         found = _module_violations(module)
+        if any(alias.name == "*" for alias in node.names):
+            found.append(f"imports * from `{module}`, which hides what it brings in")
         for alias in node.names:  # `from x import y` reaches what `x.y` does
             found += _member_violations(module, alias.name) + _module_violations(f"{module}.{alias.name}")
             if alias.name in MODULES:
@@ -116,6 +161,8 @@ def _attribute_violations(node: ast.Attribute) -> list[str]:
 
 def _member_violations(base: str, name: str) -> list[str]:
     """What `base.name` (an attribute, or `from base import name`) reaches, if the rules forbid it."""
+    if name in PROCESS_MEMBERS or (base, name) == ("torch", "multiprocessing"):
+        return [f"uses `{name}`, which runs other processes"]
     if base == "sys" and name in SYS_ATTRIBUTES:
         return [f"uses `sys.{name}`, which reaches around the grader"]
     if base == "os" and OS_ATTRIBUTES.match(name):
@@ -130,8 +177,9 @@ def _member_violations(base: str, name: str) -> list[str]:
 
 def _module_violations(name: str) -> list[str]:
     top = name.split(".")[0]
-    if top in MODULES:
-        return [f"imports `{name}`, which {MODULES[top]}"]
+    flagged = [part for part in name.split(".") if part in MODULES]  # torch.multiprocessing too
+    if flagged:
+        return [f"imports `{name}`, which {MODULES[flagged[0]]}"]
     if name.startswith("labkit.grading.") and name.split(".")[2] not in GRADING_ALLOWED:
         return [f"imports `{name}`, the grading machinery"]
     if top not in _importable_tops():
