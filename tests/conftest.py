@@ -2,9 +2,16 @@
 the C kernels' build tests share."""
 
 import os
+import sys
 
-import pytest
-import torch
+# Grading treats a compiled file that appears in the course or the environment while it runs as an
+# attack (labkit.grading.integrity); the tests write none, so that one test's imports never look like
+# another's attack.
+sys.dont_write_bytecode = True
+os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton reads TRITON_INTERPRET when it is first imported, and transformers may import it while a
 # model test loads; set it here, before collection, so the kernel tests never depend on file order.

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
@@ -352,8 +353,12 @@ def test_a_full_channel_folder_is_noticed(tmp_path):
         assert workdir.channel_overflow(100) is None
         (workdir.channel / "junk").write_bytes(b"x" * 101)
         assert "101 bytes" in workdir.channel_overflow(100)
+        (workdir.channel / "junk").unlink()
+        (workdir.channel / "a" / "b").mkdir(parents=True)  # below the top level counts too
+        (workdir.channel / "a" / "b" / "deep").write_bytes(b"x" * 101)
+        assert "101 bytes" in workdir.channel_overflow(100)
         for i in range(70):
-            (workdir.channel / f"f{i}").touch()
+            (workdir.channel / "a" / f"f{i}").touch()
         assert "too many files" in workdir.channel_overflow(10**9)
     finally:
         workdir.remove()
@@ -375,6 +380,24 @@ def test_half_a_frame_then_silence_times_out_instead_of_blocking():
     finally:
         ours.close()
         theirs.close()
+    slow, reader = socket.socketpair()  # a frame that keeps trickling in is cut at the deadline all the same
+    stop = threading.Event()
+
+    def trickle():
+        slow.sendall(b"\x00\x00\x00\x00\x00\x00\x10\x00")
+        while not stop.wait(0.05):
+            slow.sendall(b"x")
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="stopped after"):
+        receive_frame(reader, 2**20, time.monotonic() + 0.6)
+    assert time.monotonic() - started < 1.0
+    stop.set()
+    sender.join()
+    slow.close()
+    reader.close()
     a, b = socket.socketpair()
     send_frame(a, '{"nonce": 1}')
     assert receive_frame(b, 100, time.monotonic() + 1) == '{"nonce": 1}'
@@ -471,10 +494,37 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("%timeit -n 1 -r 1 eval('1')", "eval"),
     ("listing = !cat /course/labkit/sampling/filters.py\nx = 1", "shell command"),  # ...and magics in expressions
     ("a = %sx ls", "%sx"),
+    ("__builtins__.exec(open('/course/labkit/x.py').read())", "exec"),  # the red team's, issue 29's review
+    ("getattr(sys, 'path').insert(0, '.')", "sys.path"),  # getattr with a constant reaches what `.` does
+    ("getattr(os, 'fork')()", "os.fork"),
+    ("import operator\ncode = operator.attrgetter('__co' + 'de__')", "attrgetter"),
+    ("import py_compile", "py_compile"),
+    ("import site\nsite.addsitedir('.')", "site"),
 ])
 def test_the_rules_name_each_way_around_the_tripwires(source, named):
     found = rules.cell_violations(source)
     assert found and any(named in line for line in found), found
+
+
+def test_a_forbidden_function_kept_in_a_default_argument_or_a_closure_is_tripped_too():
+    namespace = {}
+    exec("import torch\n_sm = torch.softmax\ndef softmax(x, _f=_sm):\n    return _f(x, -1)\n"
+         "def make():\n    keep = torch.softmax\n    def softmax(x):\n        return keep(x, -1)\n    return softmax\n"
+         "closed = make()", namespace)
+    for candidate in (namespace["softmax"], namespace["closed"]):
+        outcome = run_exercise(get_exercise("00", "softmax"), {"softmax": candidate})
+        assert not outcome.passed and "`torch.softmax`" in outcome.message
+    assert namespace["softmax"].__defaults__[0] is torch.softmax, "restored afterwards"
+    assert namespace["closed"].__closure__[0].cell_contents is torch.softmax
+
+
+def test_the_static_check_reads_getattr_with_a_constant_name():
+    from labkit.grading.labs.lab00 import FORBIDDEN
+
+    source = "def softmax(x):\n    return getattr(torch.sparse, 'softmax')(x.to_sparse(), -1).to_dense()"
+    assert static_violations(source, "softmax", FORBIDDEN) == ["torch.sparse.softmax"]
+    assert static_violations("def softmax(x):\n    return F.softmin(-x, -1)", "softmax", FORBIDDEN) == \
+        ["torch.nn.functional.softmin"]
 
 
 def test_honest_cells_and_the_handed_out_cells_break_no_rule():
@@ -505,6 +555,23 @@ def test_a_planted_pth_file_stops_grading(monkeypatch, tmp_path):
     (site_dir / "zz_student.pth").write_text("import os; os.system('touch /tmp/pwned')\n")
     with pytest.raises(integrity.CourseTampered, match="zz_student.pth is not a file an installed package"):
         integrity.check_site_packages()
+
+
+def test_a_compiled_file_rewritten_to_its_old_size_and_time_fails_the_fingerprint(monkeypatch, tmp_path):
+    """A trojaned .pyc with the header, size and modification time of the one it replaces (what a
+    notebook graded --no-sandbox can leave for later runs) still changes the inode's change time."""
+    pyc = tmp_path / "venv" / "lib" / "__pycache__" / "client.cpython-311.pyc"
+    pyc.parent.mkdir(parents=True)
+    pyc.write_bytes(b"A" * 64)
+    monkeypatch.setattr(integrity.sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(integrity.sys, "base_prefix", str(tmp_path / "venv"))
+    before = integrity.fingerprint(python=True)
+    stat = pyc.stat()
+    time.sleep(0.01)
+    pyc.write_bytes(b"B" * 64)
+    os.utime(pyc, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(integrity.CourseTampered, match="client.cpython-311.pyc"):
+        integrity.verify(before)
 
 
 def test_a_changed_environment_fails_the_fingerprint(monkeypatch, tmp_path):

@@ -56,6 +56,26 @@ class Tripwires:
         self._depth = 0
         self._saved: list[tuple[object, str, bool, object]] = []  # owner, name, own attribute?, value
         self._aliases: list[tuple[dict, str, object]] = []
+        self._captured: list = []  # how to restore defaults and closure cells that held a forbidden object
+
+    def _wire_captured(self, function, targets: dict[int, str]) -> None:
+        """`def f(x, _f=torch.softmax)` and closures keep their own reference: wire those too."""
+        defaults, kwdefaults, cells = _captures(function)
+        if any(id(v) in targets for v in defaults):
+            function.__defaults__ = tuple(self._wire(targets[id(v)]) if id(v) in targets else v for v in defaults)
+            self._captured.append(lambda: setattr(function, "__defaults__", defaults))
+        if any(id(v) in targets for v in kwdefaults.values()):
+            function.__kwdefaults__ = {k: self._wire(targets[id(v)]) if id(v) in targets else v
+                                       for k, v in kwdefaults.items()}
+            self._captured.append(lambda: setattr(function, "__kwdefaults__", kwdefaults))
+        for cell in cells:
+            try:
+                held = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if id(held) in targets:
+                cell.cell_contents = self._wire(targets[id(held)])
+                self._captured.append(lambda cell=cell, held=held: setattr(cell, "cell_contents", held))
 
     def _wire(self, path: str):
         def tripwire(*args, **kwargs):
@@ -66,8 +86,10 @@ class Tripwires:
         return tripwire
 
     @contextmanager
-    def armed(self, *namespaces: dict):
-        """Tripwires in place for the duration; nested arming is a no-op."""
+    def armed(self, *namespaces: dict, functions: tuple = ()):
+        """Tripwires in place for the duration, in the forbidden objects' homes, under every name bound to
+        them in `namespaces`, and in the default arguments and closures of `functions`; nested arming is
+        a no-op."""
         if not self.forbidden or self._depth:
             self._depth += 1
             try:
@@ -89,9 +111,14 @@ class Tripwires:
                     if id(value) in targets:
                         self._aliases.append((namespace, key, value))
                         namespace[key] = self._wire(targets[id(value)])
+            for function in functions:
+                self._wire_captured(function, targets)
             yield self
         finally:
             self._depth -= 1
+            for restore in reversed(self._captured):
+                restore()
+            self._captured.clear()
             for namespace, key, value in reversed(self._aliases):
                 namespace[key] = value
             for owner, name, own, original in reversed(self._saved):
@@ -101,6 +128,12 @@ class Tripwires:
                     delattr(owner, name)
             self._aliases.clear()
             self._saved.clear()
+
+
+def _captures(function) -> tuple:
+    """The default arguments and closure cells of a plain function (none for anything else)."""
+    return (getattr(function, "__defaults__", None) or (), getattr(function, "__kwdefaults__", None) or {},
+            getattr(function, "__closure__", None) or ())
 
 
 def guarded(wires: Tripwires, namespace: dict, value):
@@ -115,7 +148,7 @@ def guarded(wires: Tripwires, namespace: dict, value):
 
     @functools.wraps(value)
     def call(*args, **kwargs):
-        with wires.armed(namespace, getattr(value, "__globals__", {})):
+        with wires.armed(namespace, getattr(value, "__globals__", {}), functions=(value,)):
             return value(*args, **kwargs)
 
     return call
@@ -134,6 +167,10 @@ def static_violations(source: str, name: str, forbidden: tuple[str, ...]) -> lis
         if isinstance(node, ast.Attribute):
             candidates = [p for p in forbidden if p.rpartition(".")[2] == node.attr]
             found += [_likeliest(_dotted(node), candidates)] if candidates else []
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):  # getattr(torch, "softmax")
+            candidates = [p for p in forbidden if p.rpartition(".")[2] == node.args[1].value]
+            found += [_likeliest(f"{_dotted(node.args[0])}.{node.args[1].value}", candidates)] if candidates else []
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 found += [p for p in forbidden if p.rpartition(".")[2] == alias.name

@@ -1,9 +1,10 @@
 """What grading runs on, fingerprinted before any student code runs and checked while it runs.
 
 The course's own files (the graders among them) are hashed and checked after every notebook; the
-Python that grades (the environment's and the interpreter's files: a planted `.pth` runs in every
-later interpreter) is fingerprinted by name, size, time and inode at the start and checked again
-before the report is written. Any change stops the run with no report. At the start, every `.pth`
+Python that grades (the environment's and the interpreter's files, compiled ones included: a planted
+`.pth` or `.pyc` runs in every later interpreter) is fingerprinted by metadata at the start and
+checked again before the report is written. Grading writes no bytecode itself, so any change is
+someone else's. Any change stops the run with no report. At the start, every `.pth`
 and `sitecustomize` file in the environment must be one an installed package put there, with the
 content its RECORD lists: a file planted by an earlier, unsandboxed run stops grading too.
 """
@@ -11,6 +12,7 @@ content its RECORD lists: a file planted by an earlier, unsandboxed run stops gr
 import base64
 import hashlib
 import importlib.metadata
+import json
 import os
 import site
 import subprocess
@@ -29,24 +31,35 @@ class CourseTampered(RuntimeError):
 
 
 def fingerprint(root: Path = COURSE_ROOT, python: bool = False) -> dict[str, str]:
-    """The course files' hashes; with `python`, also every file of this environment and interpreter."""
+    """The course files' hashes (their compiled `__pycache__` files by metadata); with `python`, also
+    every file of this environment and interpreter by metadata. The metadata includes the inode's
+    change time, which no program can set back, so a file rewritten to its old size and time is seen."""
     digests = {}
     for name in WATCHED:
         top = root / name
         for path in sorted([top] if top.is_file() else top.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
-            elif path.is_symlink():
+            if path.is_symlink():
                 digests[str(path.relative_to(root))] = f"symlink to {path.readlink()}"
+            elif path.is_file():
+                digests[str(path.relative_to(root))] = _metadata(path) if "__pycache__" in path.parts else \
+                    hashlib.sha256(path.read_bytes()).hexdigest()
     if python:
         for tree in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
-            for folder, subfolders, files in os.walk(tree):
-                subfolders[:] = [f for f in subfolders if f != "__pycache__"]
+            for folder, _, files in os.walk(tree):
                 for file in files:
                     path = os.path.join(folder, file)
-                    stat = os.lstat(path)
-                    digests[path] = f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}:{stat.st_mode:o}"
+                    digests[path] = _metadata(path)
     return digests
+
+
+def _metadata(path) -> str:
+    stat = os.lstat(path)
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}:{stat.st_mode:o}"
+
+
+def digest(fingerprint: dict[str, str]) -> str:
+    """One hash for a whole fingerprint: two machines grade alike only if their digests agree."""
+    return hashlib.sha256(json.dumps(sorted(fingerprint.items())).encode()).hexdigest()
 
 
 def verify(before: dict[str, str], root: Path = COURSE_ROOT) -> None:

@@ -58,8 +58,11 @@ def receive_frame(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES, deadline:
 def _receive_exactly(sock: socket.socket, size: int, deadline: float | None) -> bytes:
     chunks, left = [], size
     while left:
-        if deadline is not None:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+        if deadline is not None:  # a whole frame by the deadline, however slowly it trickles in
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the message stopped after {size - left} of its {size} bytes")
+            sock.settimeout(remaining)
         try:
             chunk = sock.recv(min(left, 2**20))
         except TimeoutError:

@@ -32,6 +32,8 @@ MODULES = {  # importing these is reaching around the tripwires
     "linecache": "reads source files", "pydoc": "reads source files", "pickle": "can call any function",
     "dill": "copies functions", "cloudpickle": "copies functions", "copyreg": "changes how objects copy",
     "zipimport": "imports code from archives", "subprocess": "runs other processes",
+    "py_compile": "compiles code files", "compileall": "compiles code files", "site": "adds import paths",
+    "pkgutil": "finds and loads modules",
     "multiprocessing": "runs other processes", "pty": "runs other processes",
 }
 NAMES = {"exec": "runs code from a string", "eval": "runs code from a string", "compile": "builds code objects",
@@ -139,24 +141,36 @@ def _node_violations(node: ast.AST) -> list[str]:
             if alias.name in MODULES:
                 found.append(f"imports `{alias.name}` from `{module}`, which {MODULES[alias.name]}")
         return found
-    if isinstance(node, ast.Name) and node.id in NAMES:
-        return [f"uses `{node.id}`, which {NAMES[node.id]}"]
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_ATTRIBUTE
-            and not (len(node.args) > 1 and isinstance(node.args[1], ast.Constant))):
-        return [f"uses `{node.func.id}` with a computed name, which hides what it reaches"]
+    if isinstance(node, ast.Name):
+        return _name_violations(node.id)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_ATTRIBUTE:
+        name = node.args[1] if len(node.args) > 1 else None
+        if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+            return [f"uses `{node.func.id}` with a computed name, which hides what it reaches"]
+        return _attribute_violations(name.value, node.args[0])  # getattr(x, "y") reaches what x.y does
     if isinstance(node, ast.Attribute):
-        return _attribute_violations(node)
+        return _attribute_violations(node.attr, node.value)
     if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in DUNDERS:
         return [f"names `{node.value}`, which reaches into code and modules"]
     return []
 
 
-def _attribute_violations(node: ast.Attribute) -> list[str]:
-    if node.attr in DUNDERS:
-        return [f"uses `{node.attr}`, which reaches into code and modules"]
-    if node.attr in FRAMES:
-        return [f"uses `{node.attr}`, which reaches into the grader's frames and code"]
-    return _member_violations(_dotted(node.value), node.attr)
+def _name_violations(name: str) -> list[str]:
+    if name in NAMES:
+        return [f"uses `{name}`, which {NAMES[name]}"]
+    if name in DUNDERS:
+        return [f"uses `{name}`, which reaches into code and modules"]
+    return []
+
+
+def _attribute_violations(attr: str, owner: ast.expr) -> list[str]:
+    if attr in DUNDERS:
+        return [f"uses `{attr}`, which reaches into code and modules"]
+    if attr in FRAMES:
+        return [f"uses `{attr}`, which reaches into the grader's frames and code"]
+    if attr in NAMES or attr in ("attrgetter", "methodcaller"):  # __builtins__.exec, operator.attrgetter
+        return [f"uses `{attr}`, which {NAMES.get(attr, 'reaches attributes by computed names')}"]
+    return _member_violations(_dotted(owner), attr)
 
 
 def _member_violations(base: str, name: str) -> list[str]:

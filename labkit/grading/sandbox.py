@@ -156,13 +156,16 @@ class Workdir:
     def channel_overflow(self, limit: int) -> str | None:
         """Why the channel folder holds more than the kernel's sockets and connection file, if it does
         (a kernel of the instructor's own uid can write there)."""
-        total = 0
-        with os.scandir(self.channel) as entries:
-            for count, entry in enumerate(entries):
-                if count > 64:
-                    return "it made too many files in its channel folder"
-                if entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
+        total, count = 0, 0
+        for folder, subfolders, files in os.walk(self.channel):
+            count += len(subfolders) + len(files)
+            if count > 64:
+                return "it made too many files in its channel folder"
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(folder, name)).st_size
+                except OSError:
+                    continue
         return f"it wrote {total} bytes into its channel folder" if total > limit else None
 
     def remove(self) -> None:

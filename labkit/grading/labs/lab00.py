@@ -7,7 +7,8 @@ from labkit.grading import ExerciseFailed, exercise, require
 FORBIDDEN = (
     "torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax", "torch.special.softmax",
     "torch.nn.Softmax", "torch.log_softmax", "torch.Tensor.log_softmax", "torch.nn.functional.log_softmax",
-    "torch.special.log_softmax", "torch.nn.LogSoftmax",
+    "torch.special.log_softmax", "torch.nn.LogSoftmax", "torch.sparse.softmax", "torch.sparse.log_softmax",
+    "torch.nn.functional.softmin", "torch.nn.Softmin", "torch.nn.Softmax2d",
 )
 
 

@@ -293,8 +293,8 @@ def decode_intensity(ns):
         got = fn(dict(cfg), num_params, list(contexts), b)
         if not isinstance(got, dict) or set(got) != {"flops", "weight_bytes", "kv_bytes", "intensity"}:
             raise ExerciseFailed("return a dict with keys 'flops', 'weight_bytes', 'kv_bytes' and 'intensity'")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in got.values()):
-            raise ExerciseFailed("every value should be a number")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in got.values()):
+            raise ExerciseFailed("every value should be a finite number")
         right = _decode_cost(cfg, num_params, contexts, b)
         if any(abs(got[key] - right[key]) > 1e-9 * max(abs(right[key]), 1) for key in right):
             why = _decode_mistake(got, cfg, num_params, contexts, b)
@@ -338,8 +338,8 @@ def roofline(ns):
             got = fn(intensity, peak, bandwidth)
             if not (isinstance(got, tuple) and len(got) == 2):
                 raise ExerciseFailed("return a pair: (attainable FLOP/s, 'memory' or 'compute')")
-            if isinstance(got[0], bool) or not isinstance(got[0], (int, float)):
-                raise ExerciseFailed(f"the attainable FLOP/s should be a number, got {type(got[0]).__name__}")
+            if isinstance(got[0], bool) or not isinstance(got[0], (int, float)) or not math.isfinite(got[0]):
+                raise ExerciseFailed(f"the attainable FLOP/s should be a finite number, got {got[0]!r}")
             answers.append(got)
 
         def explains(formula, answers=answers, intensities=intensities, peak=peak, bandwidth=bandwidth):
