@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REPORT ?= reports/grades.json
 JOBS ?= 2
+comma := ,
 # The engine's benchmark prints the course's headline ratio, so it runs last; bench_peers.py needs
 # llama.cpp built first (`make bench-peers`).
 BENCHES := $(filter-out bench/bench_engine.py bench/bench_peers.py,$(wildcard bench/bench_*.py)) \
@@ -19,17 +20,20 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # One thread per process where tests and notebooks run two at a time on CI's two cores (torch's default
 # of one thread per core would oversubscribe them). `make lab`, the demo and benchmarks use every core.
 test drift selfcheck grade execute: export OMP_NUM_THREADS ?= 1
+# Grading treats a compiled file that changes while it runs as an attack: nothing here writes one.
+test drift selfcheck grade: export PYTHONDONTWRITEBYTECODE = 1
 # Jupyter refuses to start as root (containers, some cloud machines) unless told it is meant.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
-.PHONY: help setup lab notebooks execute test drift selfcheck grade check bench bench-peers demo gpu-check serve clean
+.PHONY: help setup lab notebooks execute test drift selfcheck grade check gradescope bench bench-peers demo gpu-check serve clean
 
 help:
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
 	@echo "make check               everything CI runs: setup, tests, nbval, drift and grading self-check"
 	@echo "make check LABS=<dir>    grade one student (a folder of notebooks) or a class (a folder of student"
 	@echo "                         folders) in sandboxed kernels: table, $(REPORT) and a CSV next to it"
-	@echo "                         (GRADE_ARGS=--help for the limits and --no-sandbox)"
+	@echo "                         ONLY=00,06 grades the labs assigned so far; GRADE_ARGS=--help for the rest"
+	@echo "make gradescope ONLY=06  a Gradescope autograder zip for lab 06 -> reports/gradescope/"
 	@echo "make notebooks           regenerate notebooks/ from solutions/"
 	@echo "make execute             re-run solutions/ in place (stored outputs), then make notebooks"
 	@echo "                         NB=solutions/05_x.ipynb for one lab; REFRESH=1 re-records timings too"
@@ -74,13 +78,18 @@ selfcheck: setup
 	$(BIN)/python -m labkit.grading selfcheck --jobs $(JOBS)
 
 grade: setup
-	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS) $(GRADE_ARGS)
+	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS) $(if $(ONLY),--labs $(ONLY)) \
+		$(GRADE_ARGS)
 
 ifdef LABS
 check: grade
 else
 check: test drift selfcheck
 endif
+
+# Gradescope: an autograder zip for the labs of one assignment (ONLY=06), running the same contained grading.
+gradescope: setup
+	$(BIN)/python -m labkit.grading gradescope-zip --labs "$(ONLY)" --out reports/gradescope/autograder-$(subst $(comma),-,$(ONLY)).zip
 
 bench: setup
 	@for script in $(BENCHES); do OMP_NUM_THREADS=$(NPROC) $(BIN)/python $$script || exit 1; done

@@ -44,17 +44,17 @@ def _notebook(folder: Path, name: str, *cells: str) -> Path:
 def _course_copy(root: Path) -> Path:
     """labkit, the solutions and the handed-out notebooks in a git checkout, with an instructor's secret.
 
-    Its lab 00 also hands out the two cells that start processes (`RUN`, `_detached_rewriter`): in a
-    student's own cells the course rules would refuse them before they run, but the course's cells
-    are not checked and the rules are best effort, so the sandbox must contain them all the same, and
-    attack notebooks use them verbatim to show that it does."""
+    Its lab 00 also hands out `RUN`, a cell that defines a helper starting processes: in a student's
+    own cell the course rules would refuse it before it runs, but the course's cells are not checked
+    and the rules are best effort, so the sandbox must contain what it starts all the same; attack
+    notebooks include it verbatim and call `run` from their own cells to show that it does."""
     course = root / "course"
     shutil.copytree(COURSE_ROOT / "labkit", course / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
     for folder in ("solutions", "notebooks"):
         shutil.copytree(COURSE_ROOT / folder, course / folder)
     lab00 = course / "notebooks" / "00_setup.ipynb"
     handed_out = nbformat.read(lab00, 4)
-    handed_out.cells += [nbformat.v4.new_code_cell(c) for c in (RUN, _detached_rewriter(course / "reports"))]
+    handed_out.cells.append(nbformat.v4.new_code_cell(RUN))
     nbformat.write(handed_out, lab00)
     for name in ("pyproject.toml", "Makefile", "requirements.txt"):
         shutil.copy(COURSE_ROOT / name, course / name)
@@ -119,16 +119,19 @@ RUN = ("import asyncio\n"
 
 def _detached_rewriter(reports: Path) -> str:
     """A cell that starts a process which double-forks into a session of its own (out of the kernel's
-    process tree and group) and then rewrites the report every 0.1 s for 30 s."""
+    process tree and group) and then rewrites the report every 0.1 s for 30 s; `seen['spawn']` says
+    whether the start worked (needs RECORD and RUN before it)."""
     report = reports / "grades.json"
     code = ("import os, pathlib, time\n"
             "if os.fork():\n    os._exit(0)\n"
             "os.setsid()\n"
             "if os.fork():\n    os._exit(0)\n"
+            "quiet = os.open(os.devnull, os.O_RDWR)\n"
+            "for fd in (0, 1, 2):\n    os.dup2(quiet, fd)\n"
             "for _ in range(300):\n    time.sleep(0.1)\n"
             f"    try:\n        pathlib.Path({str(report)!r}).write_text('{{}}')\n"
             "    except OSError:\n        pass\n")
-    return f"import asyncio, sys\nawait asyncio.create_subprocess_exec(sys.executable, '-c', {code!r}, {MARKER!r})"
+    return f"import sys\nseen['spawn'] = await run(sys.executable, '-c', {code!r}, {MARKER!r})"
 
 
 def _seen(students: dict, student: str) -> dict:
@@ -179,6 +182,10 @@ def bwrap_class(tmp_path_factory):
               f"attempt('cmdlines', lambda: any({str(klass)!r}.encode() in open(f'/proc/{{p}}/cmdline', 'rb').read()\n"
               "                             for p in os.listdir('/proc') if p.isdigit()))\n",
               SHOW)
+    # a module written into its own folder must not shadow the one it imports (python -P)
+    _notebook(klass / "shadower", "00_setup.ipynb", "import torch", RECORD,
+              "open('tabnanny.py', 'w').write('PLANTED = True')\nimport tabnanny\n"
+              "seen['planted'] = hasattr(tabnanny, 'PLANTED')", SHOW)
     # stalling and exhausting the trusted side
     _notebook(klass / "half_frame", "00_setup.ipynb", "import torch", GOOD,
               "import socket, time\nsend = socket.socket.sendall\n"
@@ -222,7 +229,7 @@ def bwrap_class(tmp_path_factory):
     for name, cell in BYPASSES.items():
         _notebook(klass / name, "00_setup.ipynb", "import torch", cell, WRONG)
     # processes and time
-    _notebook(klass / "spawner", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report_dir))
+    _notebook(klass / "spawner", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report_dir), SHOW)
     _notebook(klass / "sleeper", "00_setup.ipynb", "import torch", GOOD, "import time\ntime.sleep(1000)",
               "def never_defined():\n    pass")
     _notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
@@ -246,10 +253,10 @@ BYPASSES = {
 }
 
 
-def test_the_class_is_graded_and_a_lab00_only_folder_exits_nonzero(bwrap_class):
+def test_the_class_is_graded_and_the_run_says_not_all_passed(bwrap_class):
     done, data = bwrap_class["done"], bwrap_class["data"]
     assert data is not None, done.stderr[-3000:]
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == 0 and "exercises passed, not all passed" in done.stdout, done.stderr[-3000:]
     assert data["sandbox"] == "bwrap"
     namer = bwrap_class["students"]["namer"]
     all_labs = {row["lab"] for row in namer["labs"] if row["exercises"]}
@@ -291,6 +298,10 @@ def test_nothing_hidden_can_be_read(bwrap_class):
     assert seen["cmdlines"] == "False", "the grader's command line (naming the class) is out of sight"
     report = bwrap_class["report"].read_text()
     assert SECRET not in report and "nbformat" not in json.dumps(seen)
+
+
+def test_a_module_written_next_to_the_notebook_shadows_nothing(bwrap_class):
+    assert _seen(bwrap_class["students"], "shadower")["planted"] is False
 
 
 def test_half_a_reply_then_silence_costs_that_student_only(bwrap_class):
@@ -400,8 +411,8 @@ def test_a_dead_kernel_keeps_the_points_earned_before_it_and_names_the_cell(bwra
 
 
 def test_spawned_and_detached_processes_die_and_the_report_stays(bwrap_class):
+    assert _seen(bwrap_class["students"], "spawner")["spawn"][0] == 0, "the detached rewriter did start"
     assert bwrap_class["survivors"] == []
-    assert _softmax(bwrap_class["students"], "spawner")["points"] == 1
     assert json.loads(bwrap_class["report"].read_text()) == bwrap_class["data"]
 
 
@@ -430,11 +441,13 @@ def test_with_no_sandbox_a_detached_process_is_killed_before_the_report(course, 
     report = course / "reports" / "grades.json"
     klass = tmp_path / "class"
     _notebook(klass / "alice", "00_setup.ipynb", "import torch", GOOD)
-    _notebook(klass / "mallory", "00_setup.ipynb", "import torch", GOOD, _detached_rewriter(report.parent))
+    _notebook(klass / "mallory", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report.parent),
+              SHOW)
     done, data = _grade(course, klass, "--no-sandbox")
     assert data is not None, done.stderr[-3000:]
     assert data["sandbox"] == "none"
-    assert [_softmax(_students(data), s)["points"] for s in ("alice", "mallory")] == [1, 1]
+    assert _softmax(_students(data), "alice")["points"] == 1
+    assert _seen(_students(data), "mallory")["spawn"][0] == 0, "the detached rewriter did start"
     assert _marked_processes() == []
     time.sleep(1.0)
     assert json.loads(report.read_text()) == data
@@ -458,7 +471,7 @@ def test_with_no_sandbox_a_changed_course_stops_the_run(course, tmp_path):
 # --- the hard limit: a notebook whose grading will not end is stopped, the run goes on ------------------
 
 def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path):
-    from labkit.grading.report import grade_folder
+    from labkit.grading.report import Options, grade_folder
 
     klass = tmp_path / "class"
     _notebook(klass / "stuck", "00_setup.ipynb", "import torch",
@@ -468,7 +481,7 @@ def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path)
     # A call that ignores its interrupt would hold the grader 5 + 300 s; the hard limit is 2 x 5 + 10 s.
     limits = sandbox.Limits(cell_s=5, notebook_s=5, call_s=5, interrupt_s=300, startup_s=10)
     started = time.monotonic()
-    reports = grade_folder(klass, jobs=2, limits=limits, no_sandbox=not BWRAP)
+    reports = grade_folder(klass, Options(jobs=2, limits=limits, no_sandbox=not BWRAP))
     assert time.monotonic() - started < 60
     lab00 = {r.student: r for r in reports if r.lab == "00" and r.outcomes}
     assert lab00["fine"].points == 1

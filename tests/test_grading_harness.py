@@ -2,14 +2,27 @@
 
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import nbformat
 import pytest
 import torch
 
-from labkit.grading import ExerciseFailed, check
-from labkit.grading.core import exercises, get_exercise, run_exercise
-from labkit.grading.report import all_passed, format_table, grade_folder, plain, write_reports
+from labkit.grading import ExerciseFailed, check, sandbox
+from labkit.grading.core import Outcome, exercises, get_exercise, run_exercise
+from labkit.grading.report import (
+    LabReport,
+    Options,
+    all_passed,
+    format_table,
+    grade_folder,
+    gradebook,
+    plain,
+    summary,
+    write_reports,
+)
 from labkit.grading.selfcheck import wiring_problems
 
 
@@ -86,7 +99,7 @@ def test_report_grades_a_class_and_explains_failed_cells(tmp_path):
     table = format_table(reports)
     max_points = sum(ex.points for ex in exercises())
     assert f"filled: total 1/{max_points} (missing labs: 01," in table
-    json_path, csv_path = write_reports(reports, tmp_path / "out" / "grades.json")
+    json_path, csv_path, _ = write_reports(reports, tmp_path / "out" / "grades.json")
     data = json.loads(json_path.read_text())
     assert (data["points"], data["max_points"]) == (1, 3 * max_points)
     filled = next(s for s in data["students"] if s["student"] == "filled")
@@ -96,8 +109,66 @@ def test_report_grades_a_class_and_explains_failed_cells(tmp_path):
     assert len(rows) == 3 * len(exercises())
 
 
+def test_an_assignment_grades_its_labs_only_and_names_what_is_missing_or_stray(tmp_path):
+    """`--labs 00,06`: totals over those labs, a missing one counts 0 and is named, other labs' notebooks
+    are left for their own assignment, and a stray file gets a row saying why it was not graded."""
+    klass = tmp_path / "class"
+    for student in ("ada", "bob"):
+        (klass / student).mkdir(parents=True)
+        _lab00(klass / student, "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n"
+                                "    return e / e.sum(-1, keepdim=True)")
+    nbformat.write(nbformat.v4.new_notebook(), klass / "ada" / "06_sampling.ipynb")  # an empty lab 06
+    nbformat.write(nbformat.v4.new_notebook(), klass / "bob" / "05_real_model_kv_cache.ipynb")  # not assigned
+    (klass / "bob" / "notes.txt").write_text("my notes")
+    (klass / "bob" / ".ipynb_checkpoints").mkdir()
+    reports = grade_folder(klass, Options(labs=("00", "06")))
+    assert {r.lab for r in reports if r.outcomes} == {"00", "06"}
+    six = sum(ex.points for ex in exercises("06"))
+    totals = {s: (sum(r.points for r in reports if r.student == s), sum(r.max_points for r in reports
+                                                                         if r.student == s)) for s in ("ada", "bob")}
+    assert totals == {"ada": (1, 2 + six), "bob": (1, 2 + six)}
+    assert [r.lab for r in reports if r.missing] == ["06"] and next(r for r in reports if r.missing).student == "bob"
+    stray = [(r.student, r.notebook, r.note) for r in reports if not r.outcomes]
+    assert stray == [("bob", "notes.txt", "not graded: not a notebook (hand in NN_name.ipynb files)")]
+    table = format_table(reports)
+    assert f"bob: total 1/{2 + six} (missing labs: 06)" in table and "05" not in table
+    exercises_graded = 2 * len(exercises("00")) + 2 * len(exercises("06"))
+    assert summary(reports).startswith(f"graded 3 notebooks of 2 students: 2 of {exercises_graded} exercises "
+                                       "passed, not all passed")
+    with pytest.raises(ValueError, match="no lab 42 in this course"):
+        grade_folder(klass, Options(labs=("00", "42")))
+
+
+def test_the_gradebook_has_a_row_per_student_and_a_column_per_lab():
+    def lab(student, lab, *points):
+        return LabReport(lab, f"{lab}_x.ipynb", [Outcome(lab, f"e{i}", p, 1, "") for i, p in enumerate(points)],
+                         student)
+
+    reports = [lab("bob", "06", 1, 0, 1), lab("ada", "00", 1, 1), lab("ada", "06", 0, 0, 0), lab("bob", "00", 0, 1),
+               LabReport("06", "", [Outcome("06", "e0", 0, 3, "no notebook")], "=cmd()")]
+    assert gradebook(reports) == [["student", "lab 00", "lab 06", "total"],
+                                  ["'=cmd()", 0, 0, 0], ["ada", 2, 0, 2], ["bob", 1, 2, 3]]
+
+
+def test_the_command_says_in_words_that_it_graded_and_what_passed(tmp_path):
+    _lab00(tmp_path, "def softmax(x):\n    return x")
+    report = tmp_path / "out" / "grades.json"
+    done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path), "--labs", "0",
+                           "--report", str(report), *([] if sandbox.bwrap_problem() is None else ["--no-sandbox"])],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "graded 1 notebooks of 1 students: 0 of 2 exercises passed, not all passed" in done.stdout
+    assert "slowest: " in done.stdout and f"graded {tmp_path.name} 00 (00_setup.ipynb): 0/2 in" in done.stderr
+    book = list(csv.reader(report.with_name("grades-gradebook.csv").open()))
+    assert book == [["student", "lab 00", "total"], [tmp_path.name, "0", "0"]]
+    bad = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path), "--labs", "99"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "no lab 99 in this course" in bad.stderr
+
+
 def test_plain_strips_escape_sequences_and_control_characters():
     assert plain("\x1b[31mred\x1b[0m\x1b]0;title\x07 line\r\nnext\x00") == "red line next"
+    assert plain("right\u202eto left\u2066\u2028next\u200b") == "right to left next", "bidi, separators, zero-width"
 
 
 def test_a_folder_without_labs_or_students_is_an_error(tmp_path):
@@ -131,3 +202,33 @@ def test_execute_is_reproducible_and_keeps_machine_dependent_outputs(tmp_path):
     assert path.read_text() == first
     execute_in_place(path, refresh_machine_dependent=True)
     assert path.read_text() != first
+
+
+def test_grading_skips_only_course_demonstrations_no_graded_name_depends_on():
+    from labkit.grading.plan import graded_names, skipped_cells
+
+    course = ["import torch\nfrom labkit.grading import check", "scale = 2.0", "logits = torch.randn(5)",
+              "demo = softmax(logits)\nprint(demo)", 'check("00", "softmax")', "def softmax(x):\n    raise "
+              "NotImplementedError()", "tokens = list(range(3))\ntokens.append(4)"]
+    handed_out = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in course])
+    student = nbformat.from_dict(handed_out)
+    student.cells[5].source = "def softmax(x):\n    e = (scale * x).exp()\n    return e / e.sum(-1)"
+    student.cells.insert(3, nbformat.v4.new_code_cell("print(torch.randn(2))"))  # the student's own: it runs
+    assert {"softmax", "answers"} <= graded_names("00")
+    skipped = skipped_cells(student, handed_out, graded_names("00"))
+    assert sorted(skipped) == [2, 4, 5, 7], "the demo, its input, the check cell and an unused list are skipped"
+    assert skipped_cells(student, None, graded_names("00")) == set(), "without the handed-out notebook, run all"
+
+
+def test_graders_read_only_the_names_grading_keeps_cells_for():
+    """Skipping relies on it: a grader that `require`s another name would find it undefined."""
+    import re
+
+    from labkit.grading.integrity import COURSE_ROOT
+    from labkit.grading.plan import graded_names
+
+    for path in sorted((COURSE_ROOT / "labkit" / "grading" / "labs").glob("lab*.py")):
+        source = path.read_text()
+        assert not re.search(r"require\(\s*\w+\s*,\s*[^\"'\s]", source), f"{path.name}: a name required by variable"
+        required = set(re.findall(r"require\(\s*\w+\s*,\s*[\"'](\w+)[\"']", source))
+        assert required <= graded_names(path.stem[3:]), (path.name, required - graded_names(path.stem[3:]))

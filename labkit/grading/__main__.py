@@ -1,11 +1,16 @@
 """Course tooling: python -m labkit.grading {notebooks,execute,grade,selfcheck} (see `make help`)."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Grading writes no bytecode, nor do the processes it starts: a compiled file that changes while
+    # it runs is then an attack (labkit.grading.integrity), never our own.
+    sys.dont_write_bytecode = True
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     from labkit.grading.sandbox import Limits
 
     parser = argparse.ArgumentParser(prog="python -m labkit.grading")
@@ -23,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     grade.add_argument("--report", type=Path, default=Path("reports/grades.json"),
                        help="the JSON report (a CSV is written next to it)")
     grade.add_argument("--jobs", type=int, default=2)
+    grade.add_argument("--dask", default="", metavar="ADDRESS",
+                       help="grade on a Dask cluster: a scheduler's address (tcp://host:8786) or local:N for a "
+                            "LocalCluster of N workers here")
+    grade.add_argument("--labs", default="",
+                       help="the labs to grade, e.g. 00,06 (those assigned so far); a missing one counts 0; "
+                            "default: every lab the course grades")
     grade.add_argument("--cell-timeout", type=float, default=Limits.cell_s, help="seconds per cell")
     grade.add_argument("--notebook-timeout", type=float, default=Limits.notebook_s,
                        help="seconds for all cells of a notebook")
@@ -34,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="grade without bubblewrap: student code runs with your privileges, can read and write "
                             "whatever you can, use the network and see other students' folders (trusted notebooks "
                             "only)")
+    zipped = commands.add_parser("gradescope-zip", help="build a Gradescope autograder zip for some labs")
+    zipped.add_argument("--labs", required=True, help="the labs the assignment grades, e.g. 06")
+    zipped.add_argument("--out", type=Path, default=Path("reports/gradescope/autograder.zip"))
+    on_gradescope = commands.add_parser("gradescope-run", help="(in the autograder) grade a Gradescope submission")
+    on_gradescope.add_argument("--root", type=Path, default=Path("/autograder"))
+    on_gradescope.add_argument("--labs", required=True)
     self_check = commands.add_parser("selfcheck", help="solutions earn full marks, notebooks zero")
     self_check.add_argument("--solutions", type=Path, default=Path("solutions"))
     self_check.add_argument("--notebooks", type=Path, default=Path("notebooks"))
@@ -62,21 +79,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "grade":
         from labkit.grading.integrity import CourseTampered
-        from labkit.grading.report import all_passed, format_table, grade_folder, write_reports
+        from labkit.grading.report import Options, format_table, grade_folder, summary, write_reports
         from labkit.grading.sandbox import SandboxUnavailable
 
         limits = Limits(cell_s=args.cell_timeout, notebook_s=args.notebook_timeout, call_s=args.call_timeout,
                         memory_bytes=int(args.memory_gb * 2**30) or None)
-        report = args.report.resolve()
+        options = Options(args.jobs, limits, args.no_sandbox, _labs(args.labs), progress=True, dask=args.dask)
         try:
-            reports = grade_folder(args.folder, args.jobs, limits, args.no_sandbox, progress=True)
-        except (CourseTampered, FileNotFoundError, SandboxUnavailable) as error:
+            reports = grade_folder(args.folder, options)
+        except (CourseTampered, FileNotFoundError, SandboxUnavailable, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
         print(format_table(reports))
-        written = write_reports(reports, report)
-        print(f"reports written to {written[0]} and {written[1]}")
-        return 0 if all_passed(reports) else 1
+        written = write_reports(reports, args.report.resolve())
+        print("reports written to " + ", ".join(map(str, written)))
+        print(summary(reports))
+        return 0  # graded; whether everything passed is in the summary and the reports
+    if args.command in ("gradescope-zip", "gradescope-run"):
+        from labkit.grading import gradescope
+        from labkit.grading.report import course_labs
+
+        labs = _labs(args.labs)
+        unknown = sorted(set(labs) - set(course_labs()))
+        if unknown or not labs:
+            print(f"error: no lab {', '.join(unknown) or '(none given)'} in this course", file=sys.stderr)
+            return 2
+        if args.command == "gradescope-zip":
+            print(f"autograder for lab {', '.join(labs)} written to {gradescope.build_zip(args.out, labs)}")
+        else:
+            results = gradescope.run(args.root, labs)
+            print(f"score {results['score']} written to {args.root / 'results' / 'results.json'}")
+        return 0
     from labkit.grading.integrity import CourseTampered
     from labkit.grading.selfcheck import selfcheck
 
@@ -85,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     except CourseTampered as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _labs(text: str) -> tuple[str, ...]:
+    """"0,6" or "00,06" -> ("00", "06")."""
+    return tuple(lab.strip().zfill(2) for lab in text.split(",") if lab.strip())
 
 
 if __name__ == "__main__":

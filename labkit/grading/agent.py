@@ -79,7 +79,7 @@ class Agent:
         wires = Tripwires(tuple(request.get("forbidden", ())))
         function = getattr(target, "__func__", target)
         body: dict = {}
-        with wires.armed(self.namespace, getattr(function, "__globals__", {})):
+        with wires.armed(self.namespace, getattr(function, "__globals__", {}), functions=(function,)):
             try:
                 result = target(*args, **kwargs) if op == "call" else getattr(target, request["attr"])
             except BaseException as error:  # noqa: BLE001

@@ -12,6 +12,7 @@ import csv
 import json
 import re
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +23,19 @@ from labkit.grading.core import Outcome, exercises
 LAB_FILE = re.compile(r"^(?:Copy of )?(\d\d)_[^/]*?(?: ?\(\d+\))?\.ipynb$")
 COPY_MARK = re.compile(r"^Copy of |(?: ?\(\d+\))\.ipynb$")
 TERMINAL_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b.")
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+INVISIBLE = {"Cc", "Cf", "Zl", "Zp"}  # control, format (bidi overrides, zero-width), line and paragraph separators
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a class is graded."""
+
+    jobs: int = 2  # notebooks graded at once
+    limits: sandbox.Limits = field(default_factory=sandbox.Limits)
+    no_sandbox: bool = False  # grade without bubblewrap (trusted notebooks only)
+    labs: tuple[str, ...] = ()  # the labs assigned so far ("00", "06"); empty: every lab the course grades
+    progress: bool = False  # a line on stderr as each notebook is graded
+    dask: str = ""  # a Dask scheduler's address, or "local:N" for N workers here; empty: `jobs` workers here
 
 
 @dataclass
@@ -49,8 +62,15 @@ class LabReport:
 
 
 def plain(text: str) -> str:
-    """One line of plain text: terminal escape sequences and control characters removed."""
-    return CONTROL.sub(" ", TERMINAL_ESCAPE.sub("", str(text))).strip()
+    """One line of plain text: terminal escape sequences removed, and control characters, line and
+    paragraph separators and invisible format characters (bidirectional overrides) made spaces."""
+    kept = []
+    for c in TERMINAL_ESCAPE.sub("", str(text)):
+        if unicodedata.category(c) not in INVISIBLE:
+            kept.append(c)
+        elif kept and kept[-1] != "\0":
+            kept.append("\0")  # a run of them is one space
+    return "".join(kept).replace("\0", " ").strip()
 
 
 def escape(name: str) -> str:
@@ -91,10 +111,15 @@ class ClassGrader:
     """Plans a class's grading: which notebook of each student is graded for each lab, and the rows
     decided without running anything (missing labs, refused files, duplicates)."""
 
-    def __init__(self, limits: sandbox.Limits | None = None):
-        self.labs = course_labs()
+    def __init__(self, options: Options):
+        every = course_labs()
+        unknown = sorted(set(options.labs) - set(every))
+        if unknown:
+            raise ValueError(f"no lab {', '.join(unknown)} in this course: its graded labs are {', '.join(every)}")
+        self.labs = {lab: exs for lab, exs in every.items() if not options.labs or lab in options.labs}
+        self.other_labs = set(every) - set(self.labs)  # graded another time: their notebooks are skipped
         self.expected = expected_names()
-        self.limits = limits or sandbox.Limits()
+        self.limits = options.limits
 
     def plan(self, student: Path) -> tuple[list[tuple[str, Path]], list[LabReport]]:
         """The notebooks to grade, and the rows already decided (missing labs, refused files)."""
@@ -104,11 +129,10 @@ class ClassGrader:
             lab = lab_of(path)
             if lab in self.labs:
                 found.setdefault(lab, []).append(path)
-            elif lab in self.expected:  # a lab without exercises: nothing to grade
-                continue
-            elif path.suffix == ".ipynb" or path.is_symlink():
-                why = "not a lab of this course" if lab else "not named like a lab notebook (NN_name.ipynb)"
-                rows.append(LabReport("--", path.name, note=f"not graded: {why}"))
+            elif lab in self.other_labs or lab in self.expected or path.name.startswith("."):
+                continue  # not assigned now, a lab without exercises, or hidden (.ipynb_checkpoints)
+            else:
+                rows.append(LabReport("--", path.name, note=f"not graded: {_stray(path, lab)}"))
         todo = []
         for lab, exs in self.labs.items():
             want = self.expected.get(lab, f"{lab}_name.ipynb")
@@ -133,18 +157,29 @@ class ClassGrader:
         return todo, rows
 
 
-def grade_folder(folder: Path, jobs: int = 2, limits: sandbox.Limits | None = None, no_sandbox: bool = False,
-                 progress: bool = False) -> list[LabReport]:
-    """Every student's every lab, in order; notebooks are graded `jobs` at a time."""
-    return grade_students(students_of(folder), jobs, limits, no_sandbox, progress)
+def _stray(path: Path, lab: str | None) -> str:
+    """Why a file in a student's folder is not one of the course's notebooks."""
+    if path.is_symlink():
+        return "a symbolic link, not a notebook"
+    if path.is_dir():
+        return "a folder (hand in the notebooks themselves)"
+    if lab is not None:
+        return f"lab {lab} is not a lab of this course"
+    if path.suffix == ".ipynb":
+        return "not named like a lab notebook (NN_name.ipynb)"
+    return "not a notebook (hand in NN_name.ipynb files)"
 
 
-def grade_students(students: list[Path], jobs: int = 2, limits: sandbox.Limits | None = None,
-                   no_sandbox: bool = False, progress: bool = False) -> list[LabReport]:
+def grade_folder(folder: Path, options: Options = Options()) -> list[LabReport]:
+    """Every student's every (assigned) lab, in order."""
+    return grade_students(students_of(folder), options)
+
+
+def grade_students(students: list[Path], options: Options = Options()) -> list[LabReport]:
     """Each folder in `students` is one student, named after the folder. Containment is bubblewrap, or
-    none when `no_sandbox` says so; without bubblewrap and without it, SandboxUnavailable."""
-    how = sandbox.mode(no_sandbox)
-    grader = ClassGrader(limits)
+    none when the options say so; without bubblewrap and without that, SandboxUnavailable."""
+    how = sandbox.mode(options.no_sandbox)
+    grader = ClassGrader(options)
     integrity.check_site_packages()
     everything = integrity.fingerprint(python=True)
     course = {key: value for key, value in everything.items() if not key.startswith("/")}
@@ -158,13 +193,19 @@ def grade_students(students: list[Path], jobs: int = 2, limits: sandbox.Limits |
 
     def done(job: workers.Job, graded: workers.Graded) -> None:
         integrity.verify(course)  # a changed course stops the run before anything more is graded
-        if progress:
+        if options.progress:
             points = sum(o.points for o in graded.outcomes)
             print(f"graded {escape(job.student)} {job.lab} ({escape(job.path.name)}): "
                   f"{points}/{sum(o.max_points for o in graded.outcomes)} in {graded.seconds:.0f} s",
                   file=sys.stderr, flush=True)
 
-    for job, graded in zip(work, workers.grade_all(work, jobs, grader.limits, how, done), strict=True):
+    if options.dask:
+        from labkit.grading.cluster import grade_on_dask
+
+        results = grade_on_dask(work, options.dask, options.limits, how, done)
+    else:
+        results = workers.grade_all(work, options.jobs, options.limits, how, done)
+    for job, graded in zip(work, results, strict=True):
         reports.append(LabReport(job.lab, job.path.name, graded.outcomes, job.student, graded.note, graded.seconds))
     integrity.verify(everything)
     for report in reports:
@@ -176,6 +217,20 @@ def grade_students(students: list[Path], jobs: int = 2, limits: sandbox.Limits |
 
 def all_passed(reports: list[LabReport]) -> bool:
     return all(o.passed for r in reports for o in r.outcomes)
+
+
+def summary(reports: list[LabReport], slowest: int = 3) -> str:
+    """The run in two lines: what was graded and whether all of it passed, and the slowest notebooks."""
+    graded = [r for r in reports if r.notebook and r.outcomes]
+    outcomes = [o for r in reports for o in r.outcomes]
+    passed = sum(o.passed for o in outcomes)
+    verdict = "every exercise passed" if passed == len(outcomes) else "not all passed"
+    lines = [f"graded {len(graded)} notebooks of {len({r.student for r in reports})} students: "
+             f"{passed} of {len(outcomes)} exercises passed, {verdict}"]
+    if graded:
+        ranked = sorted(graded, key=lambda r: -r.seconds)[:slowest]
+        lines.append("slowest: " + ", ".join(f"{escape(r.student)} {r.lab} ({r.seconds:.0f} s)" for r in ranked))
+    return "\n".join(lines)
 
 
 def format_table(reports: list[LabReport]) -> str:
@@ -204,8 +259,9 @@ def format_table(reports: list[LabReport]) -> str:
     return "\n".join(lines)
 
 
-def write_reports(reports: list[LabReport], path: Path) -> tuple[Path, Path]:
-    """The JSON report at `path` and a CSV (one row per exercise) next to it."""
+def write_reports(reports: list[LabReport], path: Path) -> tuple[Path, Path, Path]:
+    """The JSON report at `path`, a CSV with one row per exercise next to it, and a gradebook: one row
+    per student, one column per lab graded and a total (`<name>-gradebook.csv`)."""
     stamp = datetime.now(UTC).isoformat(timespec="seconds")
     commit = integrity.course_commit()
     students = list(dict.fromkeys(r.student for r in reports))
@@ -235,7 +291,20 @@ def write_reports(reports: list[LabReport], path: Path) -> tuple[Path, Path]:
                           commit, round(r.seconds, 2)])
     _write_atomically(table, _csv([["student", "lab", "exercise", "points", "max_points", "feedback", "notebook",
                                     "note", "timestamp", "course_commit", "seconds"], *lines]))
-    return path, table
+    book = path.with_name(path.stem + "-gradebook.csv")
+    _write_atomically(book, _csv(gradebook(reports)))
+    return path, table, book
+
+
+def gradebook(reports: list[LabReport]) -> list[list]:
+    """One row per student (named by their folder: LMS exports name folders by login), a column per lab
+    graded with its points, and the total. Nothing else: a gradebook import matches each row to a user."""
+    labs = sorted({r.lab for r in reports if r.outcomes})
+    rows = [["student", *(f"lab {lab}" for lab in labs), "total"]]
+    for student in sorted({r.student for r in reports}):
+        points = {lab: sum(r.points for r in reports if r.student == student and r.lab == lab) for lab in labs}
+        rows.append([_cell(student), *(points[lab] for lab in labs), sum(points.values())])
+    return rows
 
 
 def _csv(rows: list[list]) -> str:

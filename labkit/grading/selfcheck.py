@@ -13,7 +13,7 @@ import nbformat
 
 from labkit.grading import sandbox
 from labkit.grading.core import exercises
-from labkit.grading.report import format_table, grade_students, lab_of
+from labkit.grading.report import Options, format_table, grade_students, lab_of
 
 CHECK_CELL = re.compile(r"""^\s*check\(\s*["'](\d\d)["']\s*,\s*["'](\w+)["']""", re.MULTILINE)
 
@@ -47,7 +47,7 @@ def selfcheck(solutions: Path, notebooks: Path, jobs: int = 2) -> bool:
     problem = sandbox.bwrap_problem()
     if problem:  # the course's own notebooks: trusted, so they may run unsandboxed, but say so
         print(f"grading self-check without the sandbox: {problem}")
-    graded = grade_students([solutions, notebooks], jobs, no_sandbox=problem is not None)
+    graded = grade_students([solutions, notebooks], Options(jobs, no_sandbox=problem is not None))
     solved = [r for r in graded if r.student == solutions.name]
     blank = [r for r in graded if r.student == notebooks.name]
     for report in solved:

@@ -114,7 +114,9 @@ class _CellClient(NotebookClient):
 
 
 def _kernel_spec() -> KernelSpec:
-    return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+    """The kernel's command: -P keeps its working folder off sys.path, so that a module the notebook
+    writes there (a `tabnanny.py`) never shadows one it imports."""
+    return KernelSpec(argv=[sys.executable, "-P", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                       display_name="student", language="python", interrupt_mode="message")
 
 
@@ -165,10 +167,11 @@ class _ChannelWatch(threading.Thread):
                 return
 
 
-def run_cells(kernel: ContainedKernel, client: _CellClient, nb, run: NotebookRun, deadline: float) -> None:
-    """Execute the code cells in order until one runs out of time or kills the kernel."""
+def run_cells(kernel: ContainedKernel, client: _CellClient, nb, run: NotebookRun, deadline: float,
+              skip: frozenset[int] = frozenset()) -> None:
+    """Execute the code cells in order (but those in `skip`) until one runs out of time or kills the kernel."""
     for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
+        if cell.cell_type != "code" or index in skip:
             continue
         left = deadline - time.monotonic()
         if left < 1:
@@ -199,9 +202,10 @@ def read_notebook(path: Path) -> nbformat.NotebookNode:
     return nb
 
 
-def grade_contained(nb: nbformat.NotebookNode, lab: str, limits: sandbox.Limits, how: str) -> NotebookRun:
+def grade_contained(nb: nbformat.NotebookNode, lab: str, limits: sandbox.Limits, how: str,
+                    skip: frozenset[int] = frozenset()) -> NotebookRun:
     """Run and grade one notebook (read by `read_notebook`) in a kernel contained `how` ("bwrap" or
-    "none")."""
+    "none"), without running the cells whose indexes are in `skip`."""
     run = NotebookRun()
     uid = sandbox.UIDS.take() if how == "bwrap" and sandbox.is_root() else None
     workdir = sandbox.Workdir.create(uid)
@@ -209,7 +213,7 @@ def grade_contained(nb: nbformat.NotebookNode, lab: str, limits: sandbox.Limits,
     watch = _ChannelWatch(kernel)
     try:
         watch.start()
-        run.outcomes = _run_and_grade(kernel, nb, lab, run)
+        run.outcomes = _run_and_grade(kernel, nb, lab, run, skip)
         if watch.reason:
             run.outcomes = [Outcome(lab, o.name, 0, o.max_points, f"not graded: {watch.reason}")
                             for o in run.outcomes]
@@ -226,11 +230,11 @@ def grade_contained(nb: nbformat.NotebookNode, lab: str, limits: sandbox.Limits,
     return run
 
 
-def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun) -> list[Outcome]:
+def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun, skip: frozenset[int]) -> list[Outcome]:
     client = kernel.client(nb)
     kernel.start(client)
     deadline = time.monotonic() + kernel.limits.notebook_s  # starting kernels has its own share of the hard limit
-    run_cells(kernel, client, nb, run, deadline)
+    run_cells(kernel, client, nb, run, deadline, skip)
     if run.stopped is not None and not _kernel_answers(client, kernel.limits):
         _stop(client)
         kernel.kill()  # the stuck kernel goes before its replacement starts
@@ -238,7 +242,7 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun) -> l
         client = kernel.client(replay)
         kernel.start(client)
         stopped, run.stopped = run.stopped, None
-        run_cells(kernel, client, replay, run, deadline)
+        run_cells(kernel, client, replay, run, deadline, skip)
         if run.stopped is not None:  # what ran in time before did not this time: grade nothing
             return [Outcome(lab, ex.name, 0, ex.points, f"not graded: cell {run.stopped[0]} {run.stopped[1]} "
                                                         "when re-run") for ex in exercises(lab)]

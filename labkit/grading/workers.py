@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from labkit.grading import rules, sandbox
+from labkit.grading import plan, rules, sandbox
 from labkit.grading.core import Outcome, exercises
 from labkit.grading.session import NotANotebook, grade_contained, read_notebook
 
@@ -52,12 +52,14 @@ def grade_one(job: Job, limits: sandbox.Limits, how: str) -> Graded:
     started = time.monotonic()
     try:
         nb = read_notebook(job.path)  # read once: what is checked is what runs
-        broken = rules.violations(nb, rules.handed_out(job.lab, sandbox.COURSE_ROOT))
+        handed_out = rules.handed_out(job.lab, sandbox.COURSE_ROOT)
+        broken = rules.violations(nb, handed_out)
         if broken:
             reason = (f"not graded: {'; '.join(broken[:3])}{' (and more)' if len(broken) > 3 else ''}: the "
                       "course's rules forbid this in a graded notebook (README, \"Answers one import away\")")
             return Graded(_zero(job.lab, reason), reason, time.monotonic() - started)
-        run = grade_contained(nb, job.lab, limits, how)
+        skip = plan.skipped_cells(nb, handed_out, plan.graded_names(job.lab))
+        run = grade_contained(nb, job.lab, limits, how, frozenset(skip))
     except Exception as error:  # noqa: BLE001 - one broken file is one row, never the whole run
         first = (str(error).strip().splitlines() or [""])[0][:200]
         reason = f"not graded: {error}" if isinstance(error, NotANotebook) else \

@@ -1,0 +1,38 @@
+"""Which cells grading skips: the course's demonstrations that no graded name depends on.
+
+A lab's notebook interleaves exercises with demonstrations (a model generating text, a plot, a
+timing); graders only call the student's definitions. So a worker runs every cell the student wrote
+or changed, and of the course's own cells (those as handed out) only the ones that bind a name a
+later kept cell or a grader reads: a backward slice over the names each cell reads and binds
+(`labkit.grading.assign.names_used_and_defined`, which counts `x.attr = ...` as binding `x`). The
+graded names are the lab's exercises and its knowledge check's `answers`. What is skipped is only
+what the course wrote, so a student cannot hide code from grading this way.
+"""
+
+import nbformat
+
+from labkit.grading.assign import names_used_and_defined
+from labkit.grading.core import exercises
+
+
+def graded_names(lab: str) -> set[str]:
+    """What the lab's graders read from a notebook: its exercises' names and the knowledge check's."""
+    return {ex.name for ex in exercises(lab)} | {"answers"}
+
+
+def skipped_cells(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None, needed: set[str]) -> set[int]:
+    """Indexes (into nb.cells) of the course's code cells that nothing graded depends on."""
+    if handed_out is None:
+        return set()
+    course = {c.source for c in handed_out.cells if c.cell_type == "code"}
+    needed, skipped = set(needed), set()
+    for index in reversed(range(len(nb.cells))):
+        cell = nb.cells[index]
+        if cell.cell_type != "code":
+            continue
+        used, defined, imported = names_used_and_defined(cell.source)
+        if cell.source in course and not (defined | imported) & needed:
+            skipped.add(index)
+        else:
+            needed |= used
+    return skipped
