@@ -11,10 +11,13 @@ lab-00 notebooks (quick to run); their attack cells avoid what the course rules 
 
 import hashlib
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,13 +72,19 @@ def _course_copy(root: Path) -> Path:
 
 
 def _grade(course: Path, klass: Path, *options: str, env: dict | None = None, timeout: int = 600):
+    """The real command on `klass`; also what it left in its temporary folder (nothing, it must be)."""
     report = course / "reports" / "grades.json"
     report.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(course), "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(klass), "--report", str(report),
-                           "--jobs", "2", "--cell-timeout", "20", "--call-timeout", "10", *options],
-                          cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
-    return done, json.loads(report.read_text()) if report.exists() else None
+    scratch = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: kernels' sockets go below it
+    env = {**os.environ, "PYTHONPATH": str(course), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch), **(env or {})}
+    try:
+        done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(klass), "--report", str(report),
+                               "--jobs", "2", "--cell-timeout", "20", "--call-timeout", "10", *options],
+                              cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
+        left = sorted(p.name for p in scratch.iterdir())
+    finally:
+        shutil.rmtree(scratch)
+    return done, json.loads(report.read_text()) if report.exists() else None, left
 
 
 def _marked_processes() -> list[int]:
@@ -234,13 +243,13 @@ def bwrap_class(tmp_path_factory):
               "def never_defined():\n    pass")
     _notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
     started = time.monotonic()
-    done, data = _grade(course, klass)
+    done, data, left = _grade(course, klass)
     elapsed = time.monotonic() - started
     survivors = _marked_processes()
     time.sleep(1.0)  # a surviving rewriter would rewrite the report within 0.1 s
     return {"course": course, "klass": klass, "done": done, "data": data, "students": _students(data) if data else {},
             "survivors": survivors, "elapsed": elapsed, "report": report_dir / "grades.json",
-            "victim_hash": victim_hash, "site_packages": site_packages}
+            "victim_hash": victim_hash, "site_packages": site_packages, "left": left}
 
 
 # The five ways around the tripwires a red team found (issue 29), each in a cell of its own.
@@ -410,6 +419,10 @@ def test_a_dead_kernel_keeps_the_points_earned_before_it_and_names_the_cell(bwra
     assert crasher["note"].startswith("cell 3 stopped the kernel")
 
 
+def test_no_workdir_or_socket_is_left_behind(bwrap_class):
+    assert bwrap_class["left"] == []
+
+
 def test_spawned_and_detached_processes_die_and_the_report_stays(bwrap_class):
     assert _seen(bwrap_class["students"], "spawner")["spawn"][0] == 0, "the detached rewriter did start"
     assert bwrap_class["survivors"] == []
@@ -426,13 +439,13 @@ def course(tmp_path_factory):
 def test_without_bubblewrap_grading_refuses_and_says_what_to_do(course, tmp_path):
     _notebook(tmp_path / "class" / "alice", "00_setup.ipynb", "import torch", GOOD)
     (tmp_path / "bin").mkdir()
-    missing, no_report = _grade(course, tmp_path / "class", env={"PATH": str(tmp_path / "bin")})
+    missing, no_report, _ = _grade(course, tmp_path / "class", env={"PATH": str(tmp_path / "bin")})
     assert missing.returncode == 2 and no_report is None
     assert "bubblewrap (bwrap) is not installed" in missing.stderr and "--no-sandbox" in missing.stderr
     fake = tmp_path / "bin" / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
     fake.chmod(0o755)
-    broken, no_report = _grade(course, tmp_path / "class", env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+    broken, no_report, _ = _grade(course, tmp_path / "class", env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
     assert broken.returncode == 2 and no_report is None
     assert "bwrap fails here (bwrap: setting up uid map: Permission denied)" in broken.stderr
 
@@ -443,8 +456,9 @@ def test_with_no_sandbox_a_detached_process_is_killed_before_the_report(course, 
     _notebook(klass / "alice", "00_setup.ipynb", "import torch", GOOD)
     _notebook(klass / "mallory", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report.parent),
               SHOW)
-    done, data = _grade(course, klass, "--no-sandbox")
+    done, data, left = _grade(course, klass, "--no-sandbox")
     assert data is not None, done.stderr[-3000:]
+    assert left == []
     assert data["sandbox"] == "none"
     assert _softmax(_students(data), "alice")["points"] == 1
     assert _seen(_students(data), "mallory")["spawn"][0] == 0, "the detached rewriter did start"
@@ -461,7 +475,7 @@ def test_with_no_sandbox_a_changed_course_stops_the_run(course, tmp_path):
               f"with open({str(grader)!r}, 'a') as f:\n    f.write({always_pass!r})")
     _notebook(tmp_path / "class" / "later", "00_setup.ipynb", "import torch", WRONG)
     try:
-        done, data = _grade(course, tmp_path / "class", "--no-sandbox")
+        done, data, _ = _grade(course, tmp_path / "class", "--no-sandbox")
     finally:
         grader.write_text(before)
     assert done.returncode == 2 and data is None
@@ -470,7 +484,7 @@ def test_with_no_sandbox_a_changed_course_stops_the_run(course, tmp_path):
 
 # --- the hard limit: a notebook whose grading will not end is stopped, the run goes on ------------------
 
-def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path):
+def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path, monkeypatch):
     from labkit.grading.report import Options, grade_folder
 
     klass = tmp_path / "class"
@@ -480,8 +494,15 @@ def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path)
     _notebook(klass / "fine", "00_setup.ipynb", "import torch", GOOD)
     # A call that ignores its interrupt would hold the grader 5 + 300 s; the hard limit is 2 x 5 + 10 s.
     limits = sandbox.Limits(cell_s=5, notebook_s=5, call_s=5, interrupt_s=300, startup_s=10)
+    multiprocessing.get_context("forkserver")
+    multiprocessing.forkserver.ensure_running()  # its own socket folder stays in the usual temporary folder
+    scratch = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: the kernels' sockets go below it
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     started = time.monotonic()
     reports = grade_folder(klass, Options(jobs=2, limits=limits, no_sandbox=not BWRAP))
+    left = [p.name for p in scratch.iterdir()]
+    shutil.rmtree(scratch)
+    assert left == [], "the killed worker's workdir is removed with the run"
     assert time.monotonic() - started < 60
     lab00 = {r.student: r for r in reports if r.lab == "00" and r.outcomes}
     assert lab00["fine"].points == 1

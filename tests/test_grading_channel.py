@@ -585,3 +585,17 @@ def test_a_changed_environment_fails_the_fingerprint(monkeypatch, tmp_path):
     (prefix / "lib" / "evil.pth").write_text("import os\n")
     with pytest.raises(integrity.CourseTampered, match="evil.pth"):
         integrity.verify(before)
+
+
+def test_a_kernels_folder_is_removed_even_where_it_locked_itself_out(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = tmp_path / "workdir"
+    (folder / "locked" / "deeper").mkdir(parents=True)
+    (folder / "locked" / "deeper" / "file").write_text("x")
+    (folder / "link").symlink_to(outside)
+    (folder / "locked" / "deeper").chmod(0)
+    (folder / "locked").chmod(0)
+    sandbox.remove_tree(folder)
+    assert not folder.exists()
+    assert outside.exists() and (outside.stat().st_mode & 0o777) == 0o755, "a link is removed, never followed"

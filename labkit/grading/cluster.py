@@ -12,6 +12,7 @@ the tasks return, in the same order as with `--jobs`.
 """
 
 import multiprocessing
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,11 +28,13 @@ def grade_on_dask(jobs: list[Job], address: str, limits: sandbox.Limits, how: st
     from distributed import Client, LocalCluster, as_completed
 
     digest = integrity.digest(integrity.fingerprint())
-    cluster = None
+    cluster, scratch = None, None
     if address.startswith("local:"):
-        with dask.config.set({"distributed.worker.daemon": False}):  # a worker forks a process per notebook
+        scratch = tempfile.mkdtemp(prefix="labkit-dask-")  # the workers' own files, gone with the run
+        # A worker forks a process per notebook, so it may not be a daemon; its files go to the scratch folder.
+        with dask.config.set({"distributed.worker.daemon": False, "temporary-directory": scratch}):
             cluster = LocalCluster(n_workers=int(address.removeprefix("local:")), threads_per_worker=1,
-                                   processes=True, dashboard_address=None)
+                                   processes=True, dashboard_address=None, local_directory=scratch)
     client = Client(cluster or address)
     try:
         futures = {client.submit(grade_remotely, job.student, job.lab, job.path.name, job.path.read_bytes(),
@@ -46,6 +49,7 @@ def grade_on_dask(jobs: list[Job], address: str, limits: sandbox.Limits, how: st
         client.close()
         if cluster is not None:
             cluster.close()
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def grade_remotely(student: str, lab: str, name: str, notebook: bytes, limits: sandbox.Limits, how: str,

@@ -129,8 +129,9 @@ class Workdir:
         return self.root / "etc"
 
     @classmethod
-    def create(cls, uid: int | None) -> "Workdir":
-        workdir = cls(Path(tempfile.mkdtemp(prefix="labkit-grade-")))
+    def create(cls, uid: int | None, parent: Path | None = None) -> "Workdir":
+        """A fresh workdir, in `parent` (a run's scratch folder, removed by the run) or the temp folder."""
+        workdir = cls(Path(tempfile.mkdtemp(prefix="kernel-", dir=parent)))
         workdir.root.chmod(0o711)  # a kernel's uid may pass through to its folders, not list the rest
         for folder in (workdir.home, workdir.home / "tmp", workdir.channel, workdir.etc):
             folder.mkdir()
@@ -169,7 +170,21 @@ class Workdir:
         return f"it wrote {total} bytes into its channel folder" if total > limit else None
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder a kernel wrote in (its processes all dead), even where it took away its own
+    permissions (chmod 000); a symbolic link is removed, never followed."""
+    for folder, subfolders, _ in os.walk(path):  # top-down: each folder is opened before it is entered
+        for name in subfolders:
+            child = os.path.join(folder, name)
+            if not os.path.islink(child):
+                try:
+                    os.chmod(child, 0o700)
+                except OSError:
+                    continue
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def kernel_env(workdir: Workdir) -> dict[str, str]:

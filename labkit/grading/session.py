@@ -138,17 +138,44 @@ class ContainedKernel:
 
     def start(self, client: _CellClient) -> None:
         self.workdir.unlock_channel(self.uid)
-        client.start_new_kernel(env=sandbox.kernel_env(self.workdir), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        errors = _Tail()  # what the kernel writes to stderr, its last lines kept to say why it failed to start
+        client.start_new_kernel(env=sandbox.kernel_env(self.workdir), stdout=subprocess.DEVNULL, stderr=errors.fd)
+        errors.listen()
         self.leaders.append(client.km.provisioner.pid)
-        client.start_new_kernel_client()  # waits for the kernel's first reply: its sockets exist
+        try:
+            client.start_new_kernel_client()  # waits for the kernel's first reply: its sockets exist
+        except RuntimeError as error:
+            raise RuntimeError(f"{error} ({errors.text() or 'it wrote nothing'})") from None
         self.workdir.lock_channel(self.uid)
+
 
     def kill(self) -> list[int]:
         survivors = []
         for pid in self.leaders:
             survivors += sandbox.kill_tree(pid, self.uid)
         return survivors
+
+
+class _Tail(threading.Thread):
+    """A pipe for a process's stderr whose last few lines are kept (nothing else is)."""
+
+    def __init__(self, keep: int = 1024):
+        super().__init__(daemon=True)
+        self._read, self.fd = os.pipe()
+        self.kept, self.keep = b"", keep
+
+    def listen(self) -> None:
+        os.close(self.fd)  # the kernel holds the write end now
+        self.start()
+
+    def run(self) -> None:
+        with os.fdopen(self._read, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                self.kept = (self.kept + chunk)[-self.keep:]
+
+    def text(self) -> str:
+        self.join(timeout=2)
+        return " | ".join(self.kept.decode(errors="replace").strip().splitlines()[-3:])
 
 
 class _ChannelWatch(threading.Thread):
@@ -203,12 +230,12 @@ def read_notebook(path: Path) -> nbformat.NotebookNode:
 
 
 def grade_contained(nb: nbformat.NotebookNode, lab: str, limits: sandbox.Limits, how: str,
-                    skip: frozenset[int] = frozenset()) -> NotebookRun:
+                    skip: frozenset[int] = frozenset(), scratch: Path | None = None) -> NotebookRun:
     """Run and grade one notebook (read by `read_notebook`) in a kernel contained `how` ("bwrap" or
-    "none"), without running the cells whose indexes are in `skip`."""
+    "none"), without running the cells whose indexes are in `skip`; its workdir goes in `scratch`."""
     run = NotebookRun()
     uid = sandbox.UIDS.take() if how == "bwrap" and sandbox.is_root() else None
-    workdir = sandbox.Workdir.create(uid)
+    workdir = sandbox.Workdir.create(uid, scratch)
     kernel = ContainedKernel(workdir, limits, how, uid)
     watch = _ChannelWatch(kernel)
     try:

@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,7 +47,7 @@ class Graded:
     seconds: float
 
 
-def grade_one(job: Job, limits: sandbox.Limits, how: str) -> Graded:
+def grade_one(job: Job, limits: sandbox.Limits, how: str, scratch: Path | None = None) -> Graded:
     """Check one notebook against the course's rules, then run and grade it here (a worker process);
     a broken file, a broken rule or a failed run is one row."""
     started = time.monotonic()
@@ -59,7 +60,7 @@ def grade_one(job: Job, limits: sandbox.Limits, how: str) -> Graded:
                       "course's rules forbid this in a graded notebook (README, \"Answers one import away\")")
             return Graded(_zero(job.lab, reason), reason, time.monotonic() - started)
         skip = plan.skipped_cells(nb, handed_out, plan.graded_names(job.lab))
-        run = grade_contained(nb, job.lab, limits, how, frozenset(skip))
+        run = grade_contained(nb, job.lab, limits, how, frozenset(skip), scratch)
     except Exception as error:  # noqa: BLE001 - one broken file is one row, never the whole run
         first = (str(error).strip().splitlines() or [""])[0][:200]
         reason = f"not graded: {error}" if isinstance(error, NotANotebook) else \
@@ -77,6 +78,8 @@ def grade_all(jobs: list[Job], parallel: int, limits: sandbox.Limits, how: str,
     context.set_forkserver_preload([__name__])
     multiprocessing.forkserver.ensure_running()
     helpers = sandbox.descendants(os.getpid()) - {os.getpid()}  # the forkserver and multiprocessing's own
+    scratch = Path(tempfile.mkdtemp(prefix="labkit-grading-", dir=_short_temp()))  # every kernel's workdir
+    scratch.chmod(0o711)
     todo, running, results = deque(enumerate(jobs)), {}, [None] * len(jobs)
 
     def finish(index: int, graded: Graded) -> None:
@@ -88,7 +91,7 @@ def grade_all(jobs: list[Job], parallel: int, limits: sandbox.Limits, how: str,
             while todo and len(running) < max(1, parallel):
                 index, job = todo.popleft()
                 reader, writer = context.Pipe(duplex=False)
-                worker = context.Process(target=_work, args=(job, limits, how, writer), daemon=True)
+                worker = context.Process(target=_work, args=(job, limits, how, scratch, writer), daemon=True)
                 worker.start()
                 writer.close()
                 running[index] = (worker, reader, time.monotonic())
@@ -114,7 +117,15 @@ def grade_all(jobs: list[Job], parallel: int, limits: sandbox.Limits, how: str,
             sandbox.kill_tree(worker.pid)
             reader.close()
         sandbox.kill_descendants(spare=helpers)
+        sandbox.remove_tree(scratch)  # also what a worker killed at its hard limit left there
     return results
+
+
+def _short_temp() -> str:
+    """The temporary folder, unless its path is too long for the kernels' Unix sockets below it (at most
+    107 bytes a path): then /tmp."""
+    base = tempfile.gettempdir()
+    return base if len(base) <= 40 else "/tmp"
 
 
 def _receive(reader, lab: str, seconds: float) -> Graded:
@@ -127,11 +138,11 @@ def _receive(reader, lab: str, seconds: float) -> Graded:
         return Graded(_zero(lab, reason), reason, seconds)
 
 
-def _work(job: Job, limits: sandbox.Limits, how: str, writer) -> None:
+def _work(job: Job, limits: sandbox.Limits, how: str, scratch: Path, writer) -> None:
     """A worker: grade the notebook, send the result, and kill whatever its kernel left behind."""
     sandbox.become_subreaper()
     try:
-        graded = grade_one(job, limits, how)
+        graded = grade_one(job, limits, how, scratch)
         survivors = sandbox.kill_descendants()
         if survivors:
             graded.note = "; ".join(filter(None, [graded.note, f"processes {survivors} survived grading"]))
