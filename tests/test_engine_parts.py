@@ -252,9 +252,11 @@ def test_the_grading_codec_carries_what_the_parts_are_given():
     hashes) and the pool's mutations must come back."""
     from collections import OrderedDict, deque
 
+    from grading_support import write_back
+
     from labkit.cache.block_manager import Block
     from labkit.engine.parts import Request
-    from labkit.grading.codec import Decoder, Encoder, dumps, identity, loads
+    from labkit.grading.codec import Decoder, Encoder, dumps, loads
 
     blocks = [Block(0), Block(1, 0, 2**127 + 5, (1, 2))]
     value = [[Request("seq3", 2, 7, 40, 3)], deque([0]), OrderedDict([(1, None)]), {2**127 + 5: 1}, blocks]
@@ -262,10 +264,5 @@ def test_the_grading_codec_carries_what_the_parts_are_given():
     decoded = receiver.decode(loads(dumps(sender.encode(value))))
     assert decoded[0] == [Request("seq3", 2, 7, 40, 3)] and decoded[3] == {2**127 + 5: 1}
     plain_take(*decoded[1:4], decoded[4])  # the student's side takes block 0
-    replier = Encoder(known={identity(obj): n for n, obj in receiver.objects.items()})
-    updates = loads(dumps([[n, replier.contents(obj, n)] for n, obj in receiver.objects.items()]))
-    originals = {sender.ids[identity(obj)]: obj for obj in sender.keep}
-    writer = Decoder(known=originals)
-    for n, node in updates:
-        writer.fill(originals[n], node)
+    write_back(sender, receiver)
     assert list(value[1]) == [] and blocks[0].ref_count == 1

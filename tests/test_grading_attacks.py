@@ -23,6 +23,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from grading_support import write_notebook
 
 from labkit.grading import sandbox
 from labkit.grading.core import exercises
@@ -34,14 +35,6 @@ MARKER = "labkit-attack-marker-7f3a"
 SECRET = "instructor-secret-9c1e"
 BWRAP = sandbox.bwrap_problem() is None
 NO_BWRAP = f"bubblewrap does not work here: {sandbox.bwrap_problem()}"
-
-
-def _notebook(folder: Path, name: str, *cells: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    nbformat.write(nb, folder / name)
-    return folder / name
 
 
 def _course_copy(root: Path) -> Path:
@@ -158,90 +151,93 @@ def bwrap_class(tmp_path_factory):
     course = _course_copy(root)
     klass = root / "class"
     report_dir = course / "reports"
-    _notebook(klass / "victim", "00_setup.ipynb", "import torch", GOOD)
+    write_notebook(klass / "victim", "00_setup.ipynb", "import torch", GOOD)
     victim_hash = hashlib.sha256((klass / "victim" / "00_setup.ipynb").read_bytes()).hexdigest()
     site_packages = Path(sys.prefix) / "lib"
     # escape: mounts, capabilities, the course, the classmate, the report, the venv
-    _notebook(klass / "escaper", "00_setup.ipynb", "import torch", RECORD, RUN,
-              "attempt('ids', lambda: [os.getuid(), os.geteuid(), os.getgroups()])\n"
-              "status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)\n"
-              "seen['caps'] = [status[k].strip() for k in ('CapEff', 'CapBnd', 'NoNewPrivs')]\n"
-              "seen['umount'] = await run('umount', '/tmp')\n"
-              "seen['remount'] = await run('mount', '-o', 'remount,rw', '/')\n"
-              "seen['nested'] = await run('unshare', '-Urm', 'sh', '-c', 'umount -l /tmp && ls /tmp')\n"
-              f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}, 'a').write('x'))\n"
-              f"attempt('report', lambda: open({str(report_dir / 'grades.json')!r}, 'w').write('{{}}'))\n"
-              f"attempt('checkout', lambda: os.remove({str(course / 'victim.txt')!r}))\n"
-              f"attempt('grader', lambda: open({str(course / 'labkit/grading/core.py')!r}, 'a').write('#'))\n"
-              f"attempt('venv', lambda: open({str(site_packages / 'zz_attack.pth')!r}, 'w').write('import os'))\n"
-              "attempt('big_file', lambda: open('big', 'wb').write(b'x' * (600 * 2**20)))\n"
-              "import socket\nattempt('network', lambda: socket.create_connection(('1.1.1.1', 53), timeout=3))",
-              SHOW)
+    write_notebook(klass / "escaper", "00_setup.ipynb", "import torch", RECORD, RUN,
+                   "attempt('ids', lambda: [os.getuid(), os.geteuid(), os.getgroups()])\n"
+                   "status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)\n"
+                   "seen['caps'] = [status[k].strip() for k in ('CapEff', 'CapBnd', 'NoNewPrivs')]\n"
+                   "seen['umount'] = await run('umount', '/tmp')\n"
+                   "seen['remount'] = await run('mount', '-o', 'remount,rw', '/')\n"
+                   "seen['nested'] = await run('unshare', '-Urm', 'sh', '-c', 'umount -l /tmp && ls /tmp')\n"
+                   f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}, 'a').write('x'))\n"
+                   f"attempt('report', lambda: open({str(report_dir / 'grades.json')!r}, 'w').write('{{}}'))\n"
+                   f"attempt('checkout', lambda: os.remove({str(course / 'victim.txt')!r}))\n"
+                   f"attempt('grader', lambda: open({str(course / 'labkit/grading/core.py')!r}, 'a').write('#'))\n"
+                   f"attempt('venv', lambda: open({str(site_packages / 'zz_attack.pth')!r}, 'w').write('import os'))\n"
+                   "attempt('big_file', lambda: open('big', 'wb').write(b'x' * (600 * 2**20)))\n"
+                   "import socket\nattempt('network', lambda: socket.create_connection(('1.1.1.1', 53), timeout=3))",
+                   SHOW)
     # reading what is hidden: .git, solutions, graders, the instructor's file, classmates, the parent
-    _notebook(klass / "reader", "00_setup.ipynb", "import torch", RECORD, RUN,
-              f"course = {str(course)!r}\n"
-              "attempt('git', lambda: open(course + '/.git/HEAD').read())\n"
-              "seen['git_show'] = await run('git', '-C', course, 'show', 'HEAD:solutions/00_setup.ipynb')\n"
-              "attempt('solution', lambda: open(course + '/solutions/00_setup.ipynb').read()[:50])\n"
-              "attempt('grader', lambda: open(course + '/labkit/grading/labs/lab00.py').read()[:50])\n"
-              "attempt('secret', lambda: open(course + '/instructor-notes.txt').read())\n"
-              f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}).read()[:50])\n"
-              f"attempt('class', lambda: os.listdir({str(klass)!r}))\n"
-              "attempt('root', lambda: os.listdir('/root'))\n"
-              f"attempt('cmdlines', lambda: any({str(klass)!r}.encode() in open(f'/proc/{{p}}/cmdline', 'rb').read()\n"
-              "                             for p in os.listdir('/proc') if p.isdigit()))\n",
-              SHOW)
+    write_notebook(klass / "reader", "00_setup.ipynb", "import torch", RECORD, RUN,
+                   f"course = {str(course)!r}\n"
+                   "attempt('git', lambda: open(course + '/.git/HEAD').read())\n"
+                   "seen['git_show'] = await run('git', '-C', course, 'show', 'HEAD:solutions/00_setup.ipynb')\n"
+                   "attempt('solution', lambda: open(course + '/solutions/00_setup.ipynb').read()[:50])\n"
+                   "attempt('grader', lambda: open(course + '/labkit/grading/labs/lab00.py').read()[:50])\n"
+                   "attempt('secret', lambda: open(course + '/instructor-notes.txt').read())\n"
+                   f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}).read()[:50])\n"
+                   f"attempt('class', lambda: os.listdir({str(klass)!r}))\n"
+                   "attempt('root', lambda: os.listdir('/root'))\n"
+                   f"cmdline = lambda p: open(f'/proc/{{p}}/cmdline', 'rb').read()\n"
+                   f"attempt('cmdlines', lambda: any({str(klass)!r}.encode() in cmdline(p)\n"
+                   "                             for p in os.listdir('/proc') if p.isdigit()))\n",
+                   SHOW)
     # a module written into its own folder must not shadow the one it imports (python -P)
-    _notebook(klass / "shadower", "00_setup.ipynb", "import torch", RECORD,
-              "open('tabnanny.py', 'w').write('PLANTED = True')\nimport tabnanny\n"
-              "seen['planted'] = hasattr(tabnanny, 'PLANTED')", SHOW)
+    write_notebook(klass / "shadower", "00_setup.ipynb", "import torch", RECORD,
+                   "open('tabnanny.py', 'w').write('PLANTED = True')\nimport tabnanny\n"
+                   "seen['planted'] = hasattr(tabnanny, 'PLANTED')", SHOW)
     # stalling and exhausting the trusted side
-    _notebook(klass / "half_frame", "00_setup.ipynb", "import torch", GOOD,
-              "import socket, time\nsend = socket.socket.sendall\n"
-              "def stall(self, data, *args):\n    if len(data) > 64:\n        send(self, data[:40])\n"
-              "        time.sleep(1000)\n    return send(self, data, *args)\nsocket.socket.sendall = stall")
-    _notebook(klass / "collider", "00_setup.ipynb", "import torch",
-              "def softmax(x):\n    return {1 + k * (2**61 - 1) for k in range(30_000)}")
-    _notebook(klass / "broadcaster", "00_setup.ipynb", "import torch",
-              "def softmax(x):\n    return torch.zeros(1).expand(2**31)")
-    _notebook(klass / "blank_lines", "00_setup.ipynb", "import torch", "\n" * 200_000 + GOOD)
-    _notebook(klass / "flooder", "00_setup.ipynb", "import torch", GOOD,
-              "from IPython.display import display\nhandle = display('x', display_id=True)\n"
-              "for _ in range(300):\n    handle.update('y' * 200_000)",
-              "print('z' * 20_000_000)", "import os\nos.write(1, b'w' * 10_000_000)")
-    _notebook(klass / "big_error", "00_setup.ipynb", "import torch", WRONG,
-              "import json\nreal = json.dumps\n"
-              "def bigger(obj, *args, **kwargs):\n"
-              "    if isinstance(obj, dict) and 'nonce' in obj and 'updates' in obj:\n"
-              "        obj = {'nonce': obj['nonce'], 'error': {'type': 'ValueError', 'message': 'E' * 50_000_000}}\n"
-              "    return real(obj, *args, **kwargs)\njson.dumps = bigger")
+    write_notebook(klass / "half_frame", "00_setup.ipynb", "import torch", GOOD,
+                   "import socket, time\nsend = socket.socket.sendall\n"
+                   "def stall(self, data, *args):\n    if len(data) > 64:\n        send(self, data[:40])\n"
+                   "        time.sleep(1000)\n    return send(self, data, *args)\nsocket.socket.sendall = stall")
+    write_notebook(klass / "collider", "00_setup.ipynb", "import torch",
+                   "def softmax(x):\n    return {1 + k * (2**61 - 1) for k in range(30_000)}")
+    write_notebook(klass / "broadcaster", "00_setup.ipynb", "import torch",
+                   "def softmax(x):\n    return torch.zeros(1).expand(2**31)")
+    write_notebook(klass / "blank_lines", "00_setup.ipynb", "import torch", "\n" * 200_000 + GOOD)
+    write_notebook(klass / "flooder", "00_setup.ipynb", "import torch", GOOD,
+                   "from IPython.display import display\nhandle = display('x', display_id=True)\n"
+                   "for _ in range(300):\n    handle.update('y' * 200_000)",
+                   "print('z' * 20_000_000)", "import os\nos.write(1, b'w' * 10_000_000)")
+    write_notebook(klass / "big_error", "00_setup.ipynb", "import torch", WRONG,
+                   "import json\nreal = json.dumps\n"
+                   "def bigger(obj, *args, **kwargs):\n"
+                   "    if isinstance(obj, dict) and 'nonce' in obj and 'updates' in obj:\n"
+                   "        error = {'type': 'ValueError', 'message': 'E' * 50_000_000}\n"
+                   "        obj = {'nonce': obj['nonce'], 'error': error}\n"
+                   "    return real(obj, *args, **kwargs)\njson.dumps = bigger")
     # forging the score or the table
-    _notebook(klass / "patcher", "00_setup.ipynb", "import torch", WRONG,
-              "import json\ntorch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True\n"
-              "print(json.dumps({'points': 99, 'max_points': 1}))")
-    _notebook(klass / "printer", "00_setup.ipynb", "import torch",
-              "def softmax(x):\n    raise ValueError('\\x1b[2J\\x1b[31mred\\x1b[0m\\rcarriage\\x07')",
-              "print('student  00  softmax  1/1  ✔ forged')\nprint('total 99/1')")
+    write_notebook(klass / "patcher", "00_setup.ipynb", "import torch", WRONG,
+                   "import json\ntorch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True\n"
+                   "print(json.dumps({'points': 99, 'max_points': 1}))")
+    write_notebook(klass / "printer", "00_setup.ipynb", "import torch",
+                   "def softmax(x):\n    raise ValueError('\\x1b[2J\\x1b[31mred\\x1b[0m\\rcarriage\\x07')",
+                   "print('student  00  softmax  1/1  ✔ forged')\nprint('total 99/1')")
     forged = "00_setup\nvictim   00   softmax  1∕1  ✔ forged\ntotal 93∕93\x1b[2K.ipynb"
-    _notebook(klass / "namer", forged, "import torch", GOOD)
-    _notebook(klass / "namer", "00_setup.ipynb", "import torch", WRONG)
-    _notebook(klass / "namer", "Copy of 00_setup.ipynb", "import torch", WRONG)
+    write_notebook(klass / "namer", forged, "import torch", GOOD)
+    write_notebook(klass / "namer", "00_setup.ipynb", "import torch", WRONG)
+    write_notebook(klass / "namer", "Copy of 00_setup.ipynb", "import torch", WRONG)
     (klass / "namer" / "01_text_to_tensors.ipynb").write_text("{ this is not a notebook")
-    _notebook(klass / "namer", "my_notes.ipynb", "1 + 1")
+    write_notebook(klass / "namer", "my_notes.ipynb", "1 + 1")
     (klass / "linker").mkdir()
     (klass / "linker" / "00_setup.ipynb").symlink_to(course / "solutions" / "00_setup.ipynb")
     # tripwires
-    _notebook(klass / "specialist", "00_setup.ipynb", "import torch",
-              "def softmax(x):\n    return torch.special.softmax(x, -1)")
-    _notebook(klass / "aliaser", "00_setup.ipynb", "import torch\nfrom torch.nn.functional import softmax as sm",
-              "def softmax(x):\n    return sm(x, -1)")
+    write_notebook(klass / "specialist", "00_setup.ipynb", "import torch",
+                   "def softmax(x):\n    return torch.special.softmax(x, -1)")
+    write_notebook(klass / "aliaser", "00_setup.ipynb", "import torch\nfrom torch.nn.functional import softmax as sm",
+                   "def softmax(x):\n    return sm(x, -1)")
     for name, cell in BYPASSES.items():
-        _notebook(klass / name, "00_setup.ipynb", "import torch", cell, WRONG)
+        write_notebook(klass / name, "00_setup.ipynb", "import torch", cell, WRONG)
     # processes and time
-    _notebook(klass / "spawner", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report_dir), SHOW)
-    _notebook(klass / "sleeper", "00_setup.ipynb", "import torch", GOOD, "import time\ntime.sleep(1000)",
-              "def never_defined():\n    pass")
-    _notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
+    write_notebook(klass / "spawner", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report_dir),
+                   SHOW)
+    write_notebook(klass / "sleeper", "00_setup.ipynb", "import torch", GOOD, "import time\ntime.sleep(1000)",
+                   "def never_defined():\n    pass")
+    write_notebook(klass / "crasher", "00_setup.ipynb", "import torch", GOOD, "import os\nos._exit(3)")
     started = time.monotonic()
     done, data, left = _grade(course, klass)
     elapsed = time.monotonic() - started
@@ -273,7 +269,7 @@ def test_the_class_is_graded_and_the_run_says_not_all_passed(bwrap_class):
     assert namer["missing_labs"] == sorted({ex.lab for ex in exercises()} - {"00", "01"})
 
 
-def test_a_classmate_keeps_full_marks_and_an_untouched_notebook(bwrap_class):
+def test_a_classmate_keeps_full_marks_and_an_untouchedwrite_notebook(bwrap_class):
     students = bwrap_class["students"]
     assert _softmax(students, "victim")["points"] == 1
     victim = bwrap_class["klass"] / "victim" / "00_setup.ipynb"
@@ -437,7 +433,7 @@ def course(tmp_path_factory):
 
 
 def test_without_bubblewrap_grading_refuses_and_says_what_to_do(course, tmp_path):
-    _notebook(tmp_path / "class" / "alice", "00_setup.ipynb", "import torch", GOOD)
+    write_notebook(tmp_path / "class" / "alice", "00_setup.ipynb", "import torch", GOOD)
     (tmp_path / "bin").mkdir()
     missing, no_report, _ = _grade(course, tmp_path / "class", env={"PATH": str(tmp_path / "bin")})
     assert missing.returncode == 2 and no_report is None
@@ -453,9 +449,9 @@ def test_without_bubblewrap_grading_refuses_and_says_what_to_do(course, tmp_path
 def test_with_no_sandbox_a_detached_process_is_killed_before_the_report(course, tmp_path):
     report = course / "reports" / "grades.json"
     klass = tmp_path / "class"
-    _notebook(klass / "alice", "00_setup.ipynb", "import torch", GOOD)
-    _notebook(klass / "mallory", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report.parent),
-              SHOW)
+    write_notebook(klass / "alice", "00_setup.ipynb", "import torch", GOOD)
+    write_notebook(klass / "mallory", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report.parent),
+                   SHOW)
     done, data, left = _grade(course, klass, "--no-sandbox")
     assert data is not None, done.stderr[-3000:]
     assert left == []
@@ -471,9 +467,9 @@ def test_with_no_sandbox_a_changed_course_stops_the_run(course, tmp_path):
     always_pass = '\n\n@exercise("00", "softmax")\ndef softmax(ns):\n    return "forged"\n'
     grader = course / "labkit" / "grading" / "labs" / "lab00.py"
     before = grader.read_text()
-    _notebook(tmp_path / "class" / "tamperer", "00_setup.ipynb", "import torch", WRONG,
-              f"with open({str(grader)!r}, 'a') as f:\n    f.write({always_pass!r})")
-    _notebook(tmp_path / "class" / "later", "00_setup.ipynb", "import torch", WRONG)
+    write_notebook(tmp_path / "class" / "tamperer", "00_setup.ipynb", "import torch", WRONG,
+                   f"with open({str(grader)!r}, 'a') as f:\n    f.write({always_pass!r})")
+    write_notebook(tmp_path / "class" / "later", "00_setup.ipynb", "import torch", WRONG)
     try:
         done, data, _ = _grade(course, tmp_path / "class", "--no-sandbox")
     finally:
@@ -488,10 +484,10 @@ def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path,
     from labkit.grading.report import Options, grade_folder
 
     klass = tmp_path / "class"
-    _notebook(klass / "stuck", "00_setup.ipynb", "import torch",
-              "def softmax(x):\n    import time\n    while True:\n        try:\n            time.sleep(100)\n"
-              "        except BaseException:\n            pass")
-    _notebook(klass / "fine", "00_setup.ipynb", "import torch", GOOD)
+    write_notebook(klass / "stuck", "00_setup.ipynb", "import torch",
+                   "def softmax(x):\n    import time\n    while True:\n        try:\n            time.sleep(100)\n"
+                   "        except BaseException:\n            pass")
+    write_notebook(klass / "fine", "00_setup.ipynb", "import torch", GOOD)
     # A call that ignores its interrupt would hold the grader 5 + 300 s; the hard limit is 2 x 5 + 10 s.
     limits = sandbox.Limits(cell_s=5, notebook_s=5, call_s=5, interrupt_s=300, startup_s=10)
     multiprocessing.get_context("forkserver")

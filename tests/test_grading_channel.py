@@ -17,10 +17,11 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from grading_support import write_back, write_notebook
 
 from labkit.cache.block_manager import Block
 from labkit.grading import ExerciseFailed, exercise, integrity, require, rules, sandbox
-from labkit.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
+from labkit.grading.codec import CodecError, Decoder, Encoder, dumps, loads
 from labkit.grading.core import _REGISTRY, get_exercise, run_exercise
 from labkit.grading.forbidden import static_violations
 from labkit.grading.integrity import COURSE_ROOT
@@ -29,14 +30,6 @@ from labkit.grading.report import _cell, escape, format_table
 from labkit.sampling import filter_logits
 
 HOW = "bwrap" if sandbox.bwrap_problem() is None else "none"
-
-
-def _notebook(folder: Path, name: str, *cells: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    nbformat.write(nb, folder / name)
-    return folder / name
 
 
 # --- one real kernel, graded in-process: the channel, tripwires and write-backs ------------------------
@@ -96,7 +89,7 @@ def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_muta
             raise ExerciseFailed(f"mutations lost: {checks}")
         return "ok"
 
-    student = _notebook(
+    student = write_notebook(
         tmp_path / "student", "99_attacks.ipynb",
         "import sys, torch\nfrom labkit.sampling import filter_logits as keep_it",
         "def top_k(logits, k):\n    return keep_it(logits, top_k=k)",
@@ -159,12 +152,7 @@ def test_the_codec_keeps_views_and_shared_objects_and_writes_back_in_place():
     decoded[1][0, 0] = -1.0  # what the far side does to its copies...
     decoded[2]["b"].ref_count = 5
     decoded[0].unsqueeze_(0)
-    replier = Encoder(known={identity(obj): n for n, obj in receiver.objects.items()})
-    updates = loads(dumps([[n, replier.contents(obj, n)] for n, obj in receiver.objects.items()]))
-    originals = {sender.ids[identity(obj)]: obj for obj in sender.keep}
-    writer = Decoder(known=originals)
-    for n, node in updates:
-        writer.fill(originals[n], node)
+    write_back(sender, receiver)
     assert buffer[0] == -1.0, "...lands in the caller's own tensor"
     assert block.ref_count == 5 and value[0].shape == (1, 3) and value[0].storage_offset() == 2
 
