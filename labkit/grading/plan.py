@@ -13,6 +13,7 @@ import nbformat
 
 from labkit.grading.assign import names_used_and_defined
 from labkit.grading.core import exercises
+from labkit.grading.rules import as_handed_out, course_cells
 
 
 def graded_names(lab: str) -> set[str]:
@@ -22,16 +23,14 @@ def graded_names(lab: str) -> set[str]:
 
 def skipped_cells(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None, needed: set[str]) -> set[int]:
     """Indexes (into nb.cells) of the course's code cells that nothing graded depends on."""
-    if handed_out is None:
-        return set()
-    course = {c.source for c in handed_out.cells if c.cell_type == "code"}
+    course = course_cells(handed_out)
     needed, skipped = set(needed), set()
     for index in reversed(range(len(nb.cells))):
         cell = nb.cells[index]
         if cell.cell_type != "code":
             continue
         used, defined, imported = names_used_and_defined(cell.source)
-        if cell.source in course and not (defined | imported) & needed:
+        if as_handed_out(cell.source) in course and not (defined | imported) & needed:
             skipped.add(index)
         else:
             needed |= used

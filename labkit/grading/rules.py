@@ -22,6 +22,8 @@ from pathlib import Path
 import nbformat
 from IPython.core.inputtransformer2 import TransformerManager
 
+from labkit.grading.assign import NBVAL_MARKER
+
 CELL_LIMIT = 2**20  # a cell longer than this is not parsed: it breaks the rules by its size alone
 MODULES = {  # importing these is reaching around the tripwires
     "inspect": "reads code at run time", "importlib": "reloads or re-imports modules",
@@ -56,13 +58,24 @@ MAGICS_ALLOWED = {"matplotlib", "env", "pinfo", "pinfo2"}  # and %time, %timeit,
 TIMEIT_OPTIONS = re.compile(r"^\s*(?:-[nrp]\s*\d+\s+|-[tcqo]+\s+)*")
 
 
+def course_cells(handed_out: nbformat.NotebookNode | None) -> set[str]:
+    """The sources of the handed-out notebook's code cells (empty without one)."""
+    return {c.source for c in handed_out.cells if c.cell_type == "code"} if handed_out is not None else set()
+
+
+def as_handed_out(source: str) -> str:
+    """A cell's source without the test suite's `# NBVAL_...` markers, which the handed-out notebooks
+    drop: a solution's course cells compare equal to the student's."""
+    return NBVAL_MARKER.sub("", source)
+
+
 def violations(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None) -> list[str]:
     """What the notebook's own cells (those not as handed out) do that the course rules forbid, one
     line each, naming the cell."""
-    course = {c.source for c in handed_out.cells if c.cell_type == "code"} if handed_out is not None else set()
+    course = course_cells(handed_out)
     found = []
     for number, cell in enumerate(nb.cells, start=1):
-        if cell.cell_type == "code" and cell.source not in course:
+        if cell.cell_type == "code" and as_handed_out(cell.source) not in course:
             found += [f"cell {number} {what}" for what in cell_violations(cell.source)]
     return list(dict.fromkeys(found))
 
