@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-REPORT ?= reports/grades.json
-JOBS ?= 2
 comma := ,
+# One report per assignment: ONLY=00,06 grades into reports/grades-00-06.json (and its CSVs).
+REPORT ?= reports/grades$(if $(ONLY),-$(subst $(comma),-,$(ONLY))).json
+JOBS ?= 2
 # The engine's benchmark prints the course's headline ratio, so it runs last; bench_peers.py needs
 # llama.cpp built first (`make bench-peers`).
 BENCHES := $(filter-out bench/bench_engine.py bench/bench_peers.py,$(wildcard bench/bench_*.py)) \
@@ -28,10 +29,11 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 .PHONY: help setup lab notebooks execute test drift selfcheck grade check gradescope bench bench-peers demo gpu-check serve clean
 
 help:
+	@echo "make setup               install everything into .venv (make lab and make check do it when needed)"
 	@echo "make lab                 install (first time) and open JupyterLab on notebooks/"
 	@echo "make check               everything CI runs: setup, tests, nbval, drift and grading self-check"
 	@echo "make check LABS=<dir>    grade one student (a folder of notebooks) or a class (a folder of student"
-	@echo "                         folders) in sandboxed kernels: table, $(REPORT) and a CSV next to it"
+	@echo "                         folders) in sandboxed kernels: a table, $(REPORT) and two CSVs beside it"
 	@echo "                         ONLY=00,06 grades the labs assigned so far; GRADE_ARGS=--help for the rest"
 	@echo "make gradescope ONLY=06  a Gradescope autograder zip for lab 06 -> reports/gradescope/"
 	@echo "make notebooks           regenerate notebooks/ from solutions/"
@@ -44,6 +46,7 @@ help:
 	@echo "make gpu-check           on a CUDA machine, with its own torch: kernels, parity, notebooks, speed"
 	@echo "                         -> reports/gpu/<date>-<gpu>.md (GPU_PYTHON=python3, GPU_CHECK_ARGS=--dry-run)"
 	@echo "make serve               an OpenAI-compatible server on 127.0.0.1:8000 (SERVE_ARGS=... for options)"
+	@echo "make clean               remove .venv and the reports"
 
 setup: $(STAMP)
 
@@ -78,8 +81,7 @@ selfcheck: setup
 	$(BIN)/python -m labkit.grading selfcheck --jobs $(JOBS)
 
 grade: setup
-	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS) $(if $(ONLY),--labs $(ONLY)) \
-		$(GRADE_ARGS)
+	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS) $(if $(ONLY),--labs $(ONLY)) $(GRADE_ARGS)
 
 ifdef LABS
 check: grade
@@ -126,4 +128,4 @@ serve: setup
 	OMP_NUM_THREADS=$(NPROC) $(BIN)/labkit serve $(SERVE_ARGS)
 
 clean:
-	rm -rf $(VENV) $(REPORT) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) reports/grades*.json reports/grades*.csv .pytest_cache .ruff_cache .hypothesis

@@ -515,6 +515,30 @@ def test_the_static_check_reads_getattr_with_a_constant_name():
         ["torch.nn.functional.softmin"]
 
 
+def test_the_static_check_reads_the_real_definition_not_a_decoy_in_a_string():
+    from labkit.grading.remote import RemoteNamespace
+
+    real = "def softmax(x):\n    return x.softmax(-1)"
+    namespace = RemoteNamespace(None, [real, 'decoy = """\ndef softmax(x):\n    return x\n"""'])
+    assert namespace.definition_source("softmax") == real
+
+
+def test_imports_are_read_through_their_aliases_and_module_attributes():
+    import nbformat as nbf
+
+    assert rules.cell_violations("import torch as T\ny = T.ops.aten._softmax(x, -1, False)")
+    assert rules.cell_violations("import os\nos.sys.modules['x'] = None")
+    assert rules.cell_violations("import dataclasses\ndataclasses.inspect.getsource(f)")
+    assert rules.cell_violations("import posix\nposix.system('id')")
+    assert rules.cell_violations("from unittest import mock\nmock.patch('labkit.grading.forbidden.Tripwires.armed')")
+    assert rules.cell_violations("import labkit.grading as G\nG.core.run_exercise") != []
+    assert rules.cell_violations("y = model.modules()\nimport torch.nn.functional as F\nF.relu(x)") == []
+    course_cell = nbf.v4.new_code_cell("import subprocess, sys")  # a course cell may import what a student may not
+    student = nbf.v4.new_notebook(cells=[course_cell, nbf.v4.new_code_cell("def f():\n    return subprocess.run(1)")])
+    found = rules.violations(student, nbf.v4.new_notebook(cells=[course_cell]))
+    assert found and all(line.startswith("cell 2") for line in found)
+
+
 def test_honest_cells_and_the_handed_out_cells_break_no_rule():
     assert rules.cell_violations("%time y = softmax(torch.randn(3))\nimport torch, math\nfrom collections import "
                                  "deque\nprint(torch.__version__)\nsetattr(obj, 'x', 1)\n%matplotlib inline\n"

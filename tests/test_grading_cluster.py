@@ -38,3 +38,11 @@ def test_a_worker_with_another_course_is_refused(tmp_path):
     with pytest.raises(integrity.CourseTampered, match="is not the grader's"):
         grade_remotely("ada", "00", "00_setup.ipynb", b"{}", sandbox.Limits(), "none", "0" * 64)
     assert integrity.digest(integrity.fingerprint()) != "0" * 64
+
+
+def test_a_scheduler_without_tls_is_refused(tmp_path):
+    """Anyone who can connect to a Dask scheduler runs code on its workers: plain tcp:// is refused."""
+    from labkit.grading.cluster import grade_on_dask
+
+    with pytest.raises(ValueError, match="without TLS"):
+        grade_on_dask([], "tcp://127.0.0.1:8786", sandbox.Limits(), "none")

@@ -85,6 +85,14 @@ def test_a_wrong_submission_scores_zero_with_feedback(autograder, tmp_path):
         assert all(t["output"] for t in results["tests"]), "every test says why"
 
 
+def test_another_labs_notebook_is_not_taken_for_this_lab(autograder, tmp_path):
+    lab06 = (COURSE_ROOT / "solutions" / "06_sampling.ipynb").read_text()
+    results = _submit(autograder, tmp_path, {"06_sampling.ipynb": lab06})
+    assert results["score"] == 0
+    if BWRAP:
+        assert all(t["output"].startswith("no notebook for lab 00") for t in results["tests"]), results
+
+
 def test_a_hostile_submission_cannot_write_its_own_results(autograder, tmp_path):
     forged = json.dumps({"score": 999, "tests": []})
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in (

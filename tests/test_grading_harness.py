@@ -130,11 +130,15 @@ def test_an_assignment_grades_its_labs_only_and_names_what_is_missing_or_stray(t
     assert [r.lab for r in reports if r.missing] == ["06"] and next(r for r in reports if r.missing).student == "bob"
     stray = [(r.student, r.notebook, r.note) for r in reports if not r.outcomes]
     assert stray == [("bob", "notes.txt", "not graded: not a notebook (hand in NN_name.ipynb files)")]
+    _lab00(klass, "x = 1")  # a notebook beside the student folders: is it a student or a class?
+    with pytest.raises(FileNotFoundError, match="holds notebooks .* and folders"):
+        grade_folder(klass, Options(labs=("00",)))
+    (klass / "00_setup.ipynb").unlink()
     table = format_table(reports)
     assert f"bob: total 1/{2 + six} (missing labs: 06)" in table and "05" not in table
     exercises_graded = 2 * len(exercises("00")) + 2 * len(exercises("06"))
     assert summary(reports).startswith(f"graded 3 notebooks of 2 students: 2 of {exercises_graded} exercises "
-                                       "passed, not all passed")
+                                       "passed, not all passed; 1 file not graded (see its row)")
     with pytest.raises(ValueError, match="no lab 42 in this course"):
         grade_folder(klass, Options(labs=("00", "42")))
 
@@ -146,22 +150,25 @@ def test_the_gradebook_has_a_row_per_student_and_a_column_per_lab():
 
     reports = [lab("bob", "06", 1, 0, 1), lab("ada", "00", 1, 1), lab("ada", "06", 0, 0, 0), lab("bob", "00", 0, 1),
                LabReport("06", "", [Outcome("06", "e0", 0, 3, "no notebook")], "=cmd()")]
-    assert gradebook(reports) == [["student", "lab 00", "lab 06", "total"],
+    assert gradebook(reports) == [["student", "lab 00 (out of 2)", "lab 06 (out of 3)", "total (out of 5)"],
                                   ["'=cmd()", 0, 0, 0], ["ada", 2, 0, 2], ["bob", 1, 2, 3]]
 
 
 def test_the_command_says_in_words_that_it_graded_and_what_passed(tmp_path):
-    _lab00(tmp_path, "def softmax(x):\n    return x")
-    report = tmp_path / "out" / "grades.json"
-    done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path), "--labs", "0",
-                           "--report", str(report), *([] if sandbox.bwrap_problem() is None else ["--no-sandbox"])],
+    (tmp_path / "ada").mkdir()
+    _lab00(tmp_path / "ada", "def softmax(x):\n    return x")
+    (tmp_path / "out").mkdir()
+    report = tmp_path / "out" / "grades.json"  # --report may name a folder: the reports go in it
+    done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path / "ada"), "--labs", "0",
+                           "--report", str(report.parent),
+                           *([] if sandbox.bwrap_problem() is None else ["--no-sandbox"])],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "graded 1 notebooks of 1 students: 0 of 2 exercises passed, not all passed" in done.stdout
-    assert "slowest: " in done.stdout and f"graded {tmp_path.name} 00 (00_setup.ipynb): 0/2 in" in done.stderr
+    assert "graded 1 notebook of 1 student: 0 of 2 exercises passed, not all passed" in done.stdout
+    assert "slowest: " in done.stdout and "graded ada 00 (00_setup.ipynb): 0/2 in" in done.stderr
     book = list(csv.reader(report.with_name("grades-gradebook.csv").open()))
-    assert book == [["student", "lab 00", "total"], [tmp_path.name, "0", "0"]]
-    bad = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path), "--labs", "99"],
+    assert book == [["student", "lab 00 (out of 2)", "total (out of 2)"], ["ada", "0", "0"]]
+    bad = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path / "ada"), "--labs", "99"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no lab 99 in this course" in bad.stderr
 
@@ -218,6 +225,10 @@ def test_grading_skips_only_course_demonstrations_no_graded_name_depends_on():
     skipped = skipped_cells(student, handed_out, graded_names("00"))
     assert sorted(skipped) == [2, 4, 5, 7], "the demo, its input, the check cell and an unused list are skipped"
     assert skipped_cells(student, None, graded_names("00")) == set(), "without the handed-out notebook, run all"
+    student.cells[6].source = "def softmax(x):\n    return helper(x)"  # a helper the notebook defines later
+    student.cells.append(nbformat.v4.new_code_cell("def helper(x):\n    return x.softmax(-1)"))
+    handed_out.cells.append(student.cells[-1])
+    assert len(student.cells) - 1 not in skipped_cells(student, handed_out, graded_names("00"))
 
 
 def test_graders_read_only_the_names_grading_keeps_cells_for():

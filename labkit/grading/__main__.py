@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     grade = commands.add_parser("grade", help="grade one student's folder of notebooks, or a folder of students")
     grade.add_argument("folder", type=Path)
     grade.add_argument("--report", type=Path, default=Path("reports/grades.json"),
-                       help="the JSON report (a CSV is written next to it)")
+                       help="the JSON report (or a folder for it); two CSVs are written next to it: one row per "
+                            "exercise, and the gradebook")
     grade.add_argument("--jobs", type=int, default=2)
     grade.add_argument("--dask", default="", metavar="ADDRESS",
-                       help="grade on a Dask cluster: a scheduler's address (tcp://host:8786) or local:N for a "
+                       help="grade on a Dask cluster: a scheduler's TLS address (tls://host:8786) or local:N for a "
                             "LocalCluster of N workers here")
     grade.add_argument("--labs", default="",
                        help="the labs to grade, e.g. 00,06 (those assigned so far); a missing one counts 0; "
@@ -85,13 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         limits = Limits(cell_s=args.cell_timeout, notebook_s=args.notebook_timeout, call_s=args.call_timeout,
                         memory_bytes=int(args.memory_gb * 2**30) or None)
         options = Options(args.jobs, limits, args.no_sandbox, _labs(args.labs), progress=True, dask=args.dask)
+        report = args.report.resolve()
+        report = report / "grades.json" if report.is_dir() else report  # a folder: the reports go in it
         try:
+            report.parent.mkdir(parents=True, exist_ok=True)  # a report that cannot be written fails now
+            if not os.access(report.parent, os.W_OK):
+                raise PermissionError(f"cannot write the report into {report.parent}")
             reports = grade_folder(args.folder, options)
-        except (CourseTampered, FileNotFoundError, SandboxUnavailable, ValueError) as error:
+        except (CourseTampered, OSError, SandboxUnavailable, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
         print(format_table(reports))
-        written = write_reports(reports, args.report.resolve())
+        written = write_reports(reports, report)
         print("reports written to " + ", ".join(map(str, written)))
         print(summary(reports))
         return 0  # graded; whether everything passed is in the summary and the reports
@@ -102,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         labs = _labs(args.labs)
         unknown = sorted(set(labs) - set(course_labs()))
         if unknown or not labs:
-            print(f"error: no lab {', '.join(unknown) or '(none given)'} in this course", file=sys.stderr)
+            print(f"error: no lab {', '.join(unknown)} in this course" if unknown else
+                  "error: name the assignment's labs (make gradescope ONLY=06, or --labs 06)", file=sys.stderr)
             return 2
         if args.command == "gradescope-zip":
             print(f"autograder for lab {', '.join(labs)} written to {gradescope.build_zip(args.out, labs)}")

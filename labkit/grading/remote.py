@@ -21,7 +21,7 @@ from pathlib import Path
 
 from labkit.grading.codec import MAX_MESSAGE_BYTES, CodecError, Decoder, Encoder, Handle, dumps, identity, loads
 from labkit.grading.core import GRADING, ExerciseFailed
-from labkit.grading.forbidden import ForbiddenCall, explain
+from labkit.grading.forbidden import ForbiddenCall, defines, explain
 
 FRAME = struct.Struct(">Q")
 
@@ -279,7 +279,10 @@ class RemoteNamespace:
                                  f"{str(error)[:200]})") from None
 
     def definition_source(self, name: str) -> str:
-        """The last cell that defines `name`, from the notebook as read by the trusted side."""
+        """The last cell that defines `name` (a `def` or `class` statement, not a string that looks like
+        one), from the notebook as read by the trusted side."""
         definition = re.compile(rf"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+{re.escape(name)}\b", re.MULTILINE)
-        defining = [s for s in self.cell_sources if definition.search(s)]
-        return defining[-1] if defining else ""
+        for source in reversed(self.cell_sources):
+            if definition.search(source) and defines(source, name):
+                return source
+        return ""

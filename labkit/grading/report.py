@@ -96,12 +96,18 @@ def expected_names(root: Path = integrity.COURSE_ROOT) -> dict[str, str]:
 
 
 def students_of(folder: Path) -> list[Path]:
-    """One student (a folder with notebooks) or a class (a folder of student folders)."""
+    """One student (a folder of notebooks) or a class (a folder of student folders, each named after its
+    student, files beside them ignored); a folder with both is ambiguous, and refused."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
-    if any(p.suffix == ".ipynb" for p in folder.iterdir()):
+    notebooks = [p for p in folder.iterdir() if p.suffix == ".ipynb" and not p.name.startswith(".")]
+    students = sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
+    if notebooks and students:
+        raise FileNotFoundError(f"{folder} holds notebooks ({escape(notebooks[0].name)}, ...) and folders "
+                                f"({escape(students[0].name)}, ...): hand in one student's notebooks, or a class "
+                                "as one folder per student")
+    if notebooks:
         return [folder]
-    students = sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink())
     if not students:
         raise FileNotFoundError(f"no lab notebooks (NN_name.ipynb) and no student folders in {folder}")
     return students
@@ -180,6 +186,8 @@ def grade_students(students: list[Path], options: Options = Options()) -> list[L
     none when the options say so; without bubblewrap and without that, SandboxUnavailable."""
     how = sandbox.mode(options.no_sandbox)
     grader = ClassGrader(options)
+    if options.progress and how == "none":
+        print("grading WITHOUT a sandbox: the students' code runs with your privileges", file=sys.stderr)
     integrity.check_site_packages()
     everything = integrity.fingerprint(python=True)
     course = {key: value for key, value in everything.items() if not key.startswith("/")}
@@ -190,6 +198,11 @@ def grade_students(students: list[Path], options: Options = Options()) -> list[L
             row.student = student.name
         reports += rows
         work += [workers.Job(student.name, lab, path) for lab, path in todo]
+
+    if options.progress:  # the graders load and the first kernel starts before the first notebook's line
+        where = f"on the Dask cluster {options.dask}" if options.dask else f"{options.jobs} at a time"
+        print(f"grading {_count(len(work), 'notebook')} of {_count(len(students), 'student')}, {where}...",
+              file=sys.stderr, flush=True)
 
     def done(job: workers.Job, graded: workers.Graded) -> None:
         integrity.verify(course)  # a changed course stops the run before anything more is graded
@@ -225,12 +238,20 @@ def summary(reports: list[LabReport], slowest: int = 3) -> str:
     outcomes = [o for r in reports for o in r.outcomes]
     passed = sum(o.passed for o in outcomes)
     verdict = "every exercise passed" if passed == len(outcomes) else "not all passed"
-    lines = [f"graded {len(graded)} notebooks of {len({r.student for r in reports})} students: "
-             f"{passed} of {len(outcomes)} exercises passed, {verdict}"]
+    students = len({r.student for r in reports})
+    stray = sum(1 for r in reports if not r.outcomes and r.note.startswith("not graded"))
+    lines = [f"graded {_count(len(graded), 'notebook')} of {_count(students, 'student')}: "
+             f"{passed} of {_count(len(outcomes), 'exercise')} passed, {verdict}"
+             + (f"; {_count(stray, 'file')} not graded (see {'its row' if stray == 1 else 'their rows'})"
+                if stray else "")]
     if graded:
         ranked = sorted(graded, key=lambda r: -r.seconds)[:slowest]
         lines.append("slowest: " + ", ".join(f"{escape(r.student)} {r.lab} ({r.seconds:.0f} s)" for r in ranked))
     return "\n".join(lines)
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def format_table(reports: list[LabReport]) -> str:
@@ -297,10 +318,12 @@ def write_reports(reports: list[LabReport], path: Path) -> tuple[Path, Path, Pat
 
 
 def gradebook(reports: list[LabReport]) -> list[list]:
-    """One row per student (named by their folder: LMS exports name folders by login), a column per lab
-    graded with its points, and the total. Nothing else: a gradebook import matches each row to a user."""
+    """One row per student (named by their folder), a column per lab graded with its points, and the
+    total; each column's name says its maximum. Nothing else: an LMS import matches each row to a user."""
     labs = sorted({r.lab for r in reports if r.outcomes})
-    rows = [["student", *(f"lab {lab}" for lab in labs), "total"]]
+    maxima = {lab: max(r.max_points for r in reports if r.lab == lab and r.outcomes) for lab in labs}
+    rows = [["student", *(f"lab {lab} (out of {maxima[lab]})" for lab in labs),
+             f"total (out of {sum(maxima.values())})"]]
     for student in sorted({r.student for r in reports}):
         points = {lab: sum(r.points for r in reports if r.student == student and r.lab == lab) for lab in labs}
         rows.append([_cell(student), *(points[lab] for lab in labs), sum(points.values())])

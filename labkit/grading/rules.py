@@ -17,6 +17,7 @@ import functools
 import importlib.metadata
 import re
 import sys
+import types
 from pathlib import Path
 
 import nbformat
@@ -35,7 +36,7 @@ MODULES = {  # importing these is reaching around the tripwires
     "dill": "copies functions", "cloudpickle": "copies functions", "copyreg": "changes how objects copy",
     "zipimport": "imports code from archives", "subprocess": "runs other processes",
     "py_compile": "compiles code files", "compileall": "compiles code files", "site": "adds import paths",
-    "pkgutil": "finds and loads modules",
+    "pkgutil": "finds and loads modules", "mock": "patches objects by name",
     "multiprocessing": "runs other processes", "pty": "runs other processes",
 }
 NAMES = {"exec": "runs code from a string", "eval": "runs code from a string", "compile": "builds code objects",
@@ -54,6 +55,7 @@ PROCESS_MEMBERS = {"create_subprocess_exec", "create_subprocess_shell", "subproc
                    "ProcessPoolExecutor", "Popen"}
 OS_ATTRIBUTES = re.compile(r"^(system|popen|exec\w*|spawn\w*|fork\w*|posix_spawn\w*|kill\w*|setsid)$")
 GRADING_ALLOWED = {"check", "ExerciseFailed", "records"}
+GRADING_NAMED = re.compile(r"^labkit\.grading\.(?!(check|ExerciseFailed|records)(\.|$))\w")  # but what students use
 MAGICS_ALLOWED = {"matplotlib", "env", "pinfo", "pinfo2"}  # and %time, %timeit, whose code is checked
 TIMEIT_OPTIONS = re.compile(r"^\s*(?:-[nrp]\s*\d+\s+|-[tcqo]+\s+)*")
 
@@ -71,35 +73,62 @@ def as_handed_out(source: str) -> str:
 
 def violations(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None) -> list[str]:
     """What the notebook's own cells (those not as handed out) do that the course rules forbid, one
-    line each, naming the cell."""
+    line each, naming the cell. A name is read as every module any cell binds it to (`import torch as
+    T` in one cell makes `T.ops` in another `torch.ops`)."""
     course = course_cells(handed_out)
+    aliases = notebook_aliases(nb)
     found = []
     for number, cell in enumerate(nb.cells, start=1):
         if cell.cell_type == "code" and as_handed_out(cell.source) not in course:
-            found += [f"cell {number} {what}" for what in cell_violations(cell.source)]
+            found += [f"cell {number} {what}" for what in cell_violations(cell.source, aliases)]
     return list(dict.fromkeys(found))
 
 
-def cell_violations(source: str) -> list[str]:
+def notebook_aliases(nb: nbformat.NotebookNode) -> dict[str, set[str]]:
+    """Every name a cell's imports bind, and the modules (or module members) it is bound to."""
+    aliases: dict[str, set[str]] = {}
+    for cell in nb.cells:
+        tree = _parse(cell.source) if cell.cell_type == "code" and len(cell.source) <= CELL_LIMIT else None
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    name = alias.asname or alias.name.split(".")[0]
+                    aliases.setdefault(name, set()).add(alias.name if alias.asname else alias.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    aliases.setdefault(alias.asname or alias.name, set()).add(f"{node.module}.{alias.name}")
+    return aliases
+
+
+def cell_violations(source: str, aliases: dict[str, set[str]] | None = None) -> list[str]:
     """What one cell does that the rules forbid. The cell is read as IPython runs it (its magics and
     shell escapes turned into the calls they make); a cell that is not Python even then cannot run."""
     if len(source) > CELL_LIMIT:
         return [f"is over {CELL_LIMIT // 2**10} KiB, too long to check"]
-    try:
-        tree = ast.parse(TransformerManager().transform_cell(source))
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
+    tree = _parse(source)
+    if tree is None:
         return []
+    if aliases is None:
+        aliases = notebook_aliases(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)]))
     found: list[str] = []
     todo: list[ast.AST] = [tree]
     while todo:
         node = todo.pop()
         magic = _ipython_call(node)
         if magic is not None:
-            found += _magic_violations(*magic)
+            found += _magic_violations(*magic, aliases)
             continue
-        found += _node_violations(node)
+        found += _node_violations(node, aliases)
         todo += ast.iter_child_nodes(node)
     return found
+
+
+def _parse(source: str) -> ast.Module | None:
+    """The cell as IPython runs it, or None if even IPython could not (then it never runs)."""
+    try:
+        return ast.parse(TransformerManager().transform_cell(source))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
 
 
 def _ipython_call(node: ast.AST) -> tuple[str, list] | None:
@@ -115,14 +144,14 @@ def _ipython_call(node: ast.AST) -> tuple[str, list] | None:
     return ("!", args) if node.func.attr in ("system", "getoutput") else None
 
 
-def _magic_violations(name: str, args: list) -> list[str]:
+def _magic_violations(name: str, args: list, aliases: dict[str, set[str]]) -> list[str]:
     if name in ("time", "timeit"):  # they run their line (after timeit's options) and their cell as code
         if not all(isinstance(a, str) for a in args):
             return [f"runs `%{name}` on code that cannot be checked"]
         line, *cell = args
         if name == "timeit":
             line = TIMEIT_OPTIONS.sub("", line)
-        found = [v for code in [line, *cell] for v in cell_violations(code)]
+        found = [v for code in [line, *cell] for v in cell_violations(code, aliases)]
         unreadable = [code for code in [line, *cell] if code.strip() and not _parses(code)]
         return found + ([f"runs `%{name}` on code that cannot be checked"] if unreadable else [])
     if name in MAGICS_ALLOWED:
@@ -139,7 +168,7 @@ def _parses(code: str) -> bool:
     return True
 
 
-def _node_violations(node: ast.AST) -> list[str]:
+def _node_violations(node: ast.AST, aliases: dict[str, set[str]]) -> list[str]:
     if isinstance(node, ast.Import):
         return [v for alias in node.names for v in _module_violations(alias.name)]
     if isinstance(node, ast.ImportFrom):
@@ -150,54 +179,89 @@ def _node_violations(node: ast.AST) -> list[str]:
         if any(alias.name == "*" for alias in node.names):
             found.append(f"imports * from `{module}`, which hides what it brings in")
         for alias in node.names:  # `from x import y` reaches what `x.y` does
-            found += _member_violations(module, alias.name) + _module_violations(f"{module}.{alias.name}")
+            found += _member_violations(_resolve(module), alias.name) + _module_violations(f"{module}.{alias.name}")
             if alias.name in MODULES:
                 found.append(f"imports `{alias.name}` from `{module}`, which {MODULES[alias.name]}")
         return found
     if isinstance(node, ast.Name):
-        return _name_violations(node.id)
+        return _name_violations(node.id, aliases)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_ATTRIBUTE:
         name = node.args[1] if len(node.args) > 1 else None
         if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
             return [f"uses `{node.func.id}` with a computed name, which hides what it reaches"]
-        return _attribute_violations(name.value, node.args[0])  # getattr(x, "y") reaches what x.y does
+        return _attribute_violations(name.value, node.args[0], aliases)  # getattr(x, "y") reaches x.y
     if isinstance(node, ast.Attribute):
-        return _attribute_violations(node.attr, node.value)
-    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in DUNDERS:
-        return [f"names `{node.value}`, which reaches into code and modules"]
+        return _attribute_violations(node.attr, node.value, aliases)
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if node.value in DUNDERS:
+            return [f"names `{node.value}`, which reaches into code and modules"]
+        if GRADING_NAMED.match(node.value):  # mock.patch("labkit.grading.forbidden.Tripwires.armed")
+            return [f"names `{node.value[:60]}`, the grading machinery"]
     return []
 
 
-def _name_violations(name: str) -> list[str]:
+def _name_violations(name: str, aliases: dict[str, set[str]]) -> list[str]:
     if name in NAMES:
         return [f"uses `{name}`, which {NAMES[name]}"]
     if name in DUNDERS:
         return [f"uses `{name}`, which reaches into code and modules"]
-    return []
+    return [v for module in aliases.get(name, ()) for v in _module_violations(module)  # a course cell's import
+            if not v.endswith("(a file of the notebook's folder?)")]
 
 
-def _attribute_violations(attr: str, owner: ast.expr) -> list[str]:
+def _attribute_violations(attr: str, owner: ast.expr, aliases: dict[str, set[str]]) -> list[str]:
     if attr in DUNDERS:
         return [f"uses `{attr}`, which reaches into code and modules"]
     if attr in FRAMES:
         return [f"uses `{attr}`, which reaches into the grader's frames and code"]
     if attr in NAMES or attr in ("attrgetter", "methodcaller"):  # __builtins__.exec, operator.attrgetter
         return [f"uses `{attr}`, which {NAMES.get(attr, 'reaches attributes by computed names')}"]
-    return _member_violations(_dotted(owner), attr)
+    return [v for base in _bases(owner, aliases) for v in _member_violations(base, attr)]
+
+
+def _bases(owner: ast.expr, aliases: dict[str, set[str]]) -> set[str]:
+    """What `owner` (x, or x.y.z) may be, as dotted names through modules: its first name read through
+    every import that binds it, then each step through a module attribute named by the module it reaches."""
+    dotted = _dotted(owner)
+    if not dotted:
+        return set()
+    first, _, rest = dotted.partition(".")
+    starts = aliases.get(first) or {first}
+    return {_resolve(f"{start}.{rest}" if rest else start) for start in starts}
+
+
+def _resolve(dotted: str) -> str:
+    """`os.sys` -> `sys`, `dataclasses.inspect` -> `inspect`: follows module attributes that hold modules,
+    among the modules already imported here (nothing is imported for it)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is not None:
+            break
+    else:
+        return dotted
+    name, rest = module.__name__, parts[cut:]
+    while rest and isinstance(vars(module).get(rest[0]), types.ModuleType):
+        module = vars(module)[rest[0]]
+        name, rest = module.__name__, rest[1:]
+    return ".".join([name, *rest])
 
 
 def _member_violations(base: str, name: str) -> list[str]:
     """What `base.name` (an attribute, or `from base import name`) reaches, if the rules forbid it."""
     if name in PROCESS_MEMBERS or (base, name) == ("torch", "multiprocessing"):
         return [f"uses `{name}`, which runs other processes"]
+    flagged = [part for part in base.split(".") if part in MODULES]
+    if flagged:  # a member of a module the rules refuse, however it was reached
+        return [f"uses `{base}.{name}`, which {MODULES[flagged[0]]}"]
     if base == "sys" and name in SYS_ATTRIBUTES:
         return [f"uses `sys.{name}`, which reaches around the grader"]
-    if base == "os" and OS_ATTRIBUTES.match(name):
-        return [f"uses `os.{name}`, which runs or signals other processes"]
+    if base in ("os", "posix", "nt") and OS_ATTRIBUTES.match(name):
+        return [f"uses `{base}.{name}`, which runs or signals other processes"]
     internal = name.startswith("_") and not name.endswith("__") or name in ("ops", "library")
     if base == "torch" and internal:
         return [f"uses `torch.{name}`, torch's internal operators"]
-    if (base, name) == ("labkit", "grading") or base == "labkit.grading" and name not in GRADING_ALLOWED:
+    if (base, name) == ("labkit", "grading") or GRADING_NAMED.match(f"{base}.{name}"):
         return [f"uses `{base}.{name}`, the grading machinery"]
     return []
 

@@ -76,12 +76,15 @@ def mode(no_sandbox: bool = False) -> str:
     problem = bwrap_problem()
     if problem is None:
         return "bwrap"
+    fix = ("install it (apt-get install bubblewrap)" if shutil.which("bwrap") is None else
+           "let it create namespaces (in Docker: --security-opt seccomp=unconfined --security-opt "
+           "apparmor=unconfined, or --privileged; on Ubuntu 24.04 as a normal user: sysctl "
+           "kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile for bwrap)")
     raise SandboxUnavailable(
-        f"grading contains each student's kernel with bubblewrap, but {problem}. Install it "
-        "(apt-get install bubblewrap; in Docker the container needs --security-opt seccomp=unconfined "
-        "and apparmor=unconfined, or --privileged), or, for notebooks you trust, pass --no-sandbox: "
-        "their code then runs with your privileges, can read and write whatever you can, use the "
-        "network and see the other students' folders")
+        f"grading contains each student's kernel with bubblewrap, but {problem}: {fix}. Or, for notebooks "
+        "you trust, grade with --no-sandbox (with make: GRADE_ARGS=--no-sandbox): their code then runs with "
+        "your privileges, can read and write whatever you can, use the network and see the other students' "
+        "folders")
 
 
 @functools.cache
