@@ -398,7 +398,7 @@ def test_forbidden_functions_and_their_aliases_are_caught(bwrap_class):
 @pytest.mark.parametrize("student", sorted(BYPASSES))
 def test_each_way_around_the_tripwires_fails_the_lab_by_the_rules(bwrap_class, student):
     lab = _lab(bwrap_class["students"], student)
-    assert lab["points"] == 0 and "the course's rules forbid this" in lab["note"], lab
+    assert lab["points"] == 0 and "The course's rules forbid this" in lab["note"], lab
     assert all(e["feedback"] == lab["note"] for e in lab["exercises"])
     assert lab["seconds"] < 10, "decided from the notebook as handed in, without running it"
 

@@ -467,10 +467,9 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("import gc\nsaved = [o for o in gc.get_objects()]", "gc"),
     ("f = getattr(torch, '_' + 'C')", "getattr"),
     ("from torch import _C", "torch._C"),
-    ("y = torch.ops.aten._softmax(x, -1, False)", "torch.ops"),
+    ("import torch\ny = torch.ops.aten._softmax(x, -1, False)", "torch.ops"),
     ("!cp /course/labkit/sampling/filters.py mine.py", "shell command"),
     ("%%writefile mine.py\ndef f(): pass", "%writefile"),
-    ("from mine import filter_logits", "mine"),
     ("get_ipython().run_cell('1')", "get_ipython"),
     ("import asyncio, subprocess\nsubprocess.run(['python'])", "subprocess"),
     ("import os\nos.system('cat /course/solutions/06_sampling.ipynb')", "os.system"),
@@ -482,9 +481,9 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("%timeit -n 1 -r 1 eval('1')", "eval"),
     ("listing = !cat /course/labkit/sampling/filters.py\nx = 1", "shell command"),  # ...and magics in expressions
     ("a = %sx ls", "%sx"),
-    ("__builtins__.exec(open('/course/labkit/x.py').read())", "exec"),  # the red team's, issue 29's review
-    ("getattr(sys, 'path').insert(0, '.')", "sys.path"),  # getattr with a constant reaches what `.` does
-    ("getattr(os, 'fork')()", "os.fork"),
+    ("__builtins__.exec(open('/course/labkit/x.py').read())", "__builtins__"),  # the red teams' (issue 29)
+    ("import sys\ngetattr(sys, 'path').insert(0, '.')", "sys.path"),  # getattr(x, 'y') reaches what x.y does
+    ("import os\ngetattr(os, 'fork')()", "os.fork"),
     ("import operator\ncode = operator.attrgetter('__co' + 'de__')", "attrgetter"),
     ("import py_compile", "py_compile"),
     ("import site\nsite.addsitedir('.')", "site"),
@@ -539,10 +538,33 @@ def test_imports_are_read_through_their_aliases_and_module_attributes():
     assert found and all(line.startswith("cell 2") for line in found)
 
 
+@pytest.mark.parametrize("source", [  # what the student review found honest students write (issue 29)
+    "import re\nDATA = re.compile(r'^data: (.*)$', re.MULTILINE)", "fast = torch.compile(softmax)", "model.eval()",
+    "code = softmax(x)\nprint(code.sum())", "print(vars(run))", "print(globals().keys())",
+    "def update(self, key, value):\n    setattr(self, key, value)", "%load_ext autoreload\n%autoreload 2", "%who",
+    "softmax?", "from math import *", "import pandas", "import numpy as np\nnp.exp(1)",
+    "import timeit\ntimeit.timeit('softmax(x)', globals=globals(), number=10)", "%%capture\nprint(1)",
+    "%timeit -n 10 -r 3 softmax(x)", "site = 'Paris'\ntypes = [1, 2]\ngc = 3\nmock = None",
+])
+def test_honest_code_breaks_no_rule(source):
+    assert rules.cell_violations(source) == []
+
+
+def test_an_edited_course_cell_answers_only_for_what_the_edit_adds():
+    import nbformat as nbf
+
+    course = nbf.v4.new_code_cell("import subprocess, sys\nsys.path.insert(0, '.')\nsubprocess.run(['true'])")
+    handed_out = nbf.v4.new_notebook(cells=[course])
+    edited = nbf.v4.new_notebook(cells=[nbf.v4.new_code_cell(course.source.replace("'.'", "'/content'") + "\n")])
+    assert rules.violations(edited, handed_out) == [], "a student's path, a trailing newline: nothing added"
+    edited.cells[0].source += "\nsubprocess.run(['python', '-c', 'print(1)'])"
+    assert "cell 1 (`import subprocess, sys`) uses `subprocess.run`, which runs other processes" in \
+        rules.violations(edited, handed_out)
+
+
 def test_honest_cells_and_the_handed_out_cells_break_no_rule():
     assert rules.cell_violations("%time y = softmax(torch.randn(3))\nimport torch, math\nfrom collections import "
-                                 "deque\nprint(torch.__version__)\nsetattr(obj, 'x', 1)\n%matplotlib inline\n"
-                                 "softmax??") == []
+                                 "deque\nprint(torch.__version__)\n%matplotlib inline\nsoftmax??") == []
     assert rules.cell_violations("def f(:\n    exec('x')") == [], "a cell IPython cannot parse never runs"
     for path in sorted((COURSE_ROOT / "solutions").glob("*.ipynb")):
         lab = path.name[:2]
@@ -553,7 +575,9 @@ def test_honest_cells_and_the_handed_out_cells_break_no_rule():
     assert rules.violations(handed_out, handed_out) == [], "...so the course's cells, as handed out, are exempt"
     changed = nbformat.from_dict(handed_out)
     next(c for c in changed.cells if c.cell_type == "code").source += "\n# changed"
-    assert rules.violations(changed, handed_out), "a course cell the student edited is checked like theirs"
+    assert rules.violations(changed, handed_out) == [], "an edit that adds nothing forbidden is fine"
+    next(c for c in changed.cells if c.cell_type == "code").source += "\nsys.modules.clear()"
+    assert rules.violations(changed, handed_out), "what an edit adds is checked"
 
 
 # --- what grades: the course and its Python, fingerprinted ---------------------------------------------

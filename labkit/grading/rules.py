@@ -5,19 +5,19 @@ code in that kernel can undo one. So the trusted side also reads the notebook it
 kernel can change, and fails a lab whose own code uses the tools that undo or sidestep tripwires:
 reading or rebuilding code at run time (`inspect`, `__code__`, `exec`, `importlib.reload`, ...), the
 grading machinery (`labkit.grading` beyond `check`), torch's internal operators, other processes,
-shell escapes and magics, or a module the notebook's folder holds rather than the environment.
-Cells the same as the handed-out notebook's are the course's own and are not checked.
+shell escapes and magics that run files or commands. Cells the same as the handed-out notebook's are
+the course's own and are not checked; in a course cell the student edited, only what the edit adds.
 
 This is a best-effort check of a course rule, not a proof: code obfuscated past what an AST shows,
 or labkit's code retyped by hand, is not caught by machine (the README lists what is known).
 """
 
 import ast
-import functools
-import importlib.metadata
+import difflib
 import re
 import sys
 import types
+from collections import Counter
 from pathlib import Path
 
 import nbformat
@@ -40,15 +40,14 @@ MODULES = {  # importing these is reaching around the tripwires
     "multiprocessing": "runs other processes", "pty": "runs other processes",
 }
 NAMES = {"exec": "runs code from a string", "eval": "runs code from a string", "compile": "builds code objects",
-         "__import__": "imports by name at run time", "globals": "reaches the namespace the grader arms",
-         "vars": "reaches a module's namespace", "get_ipython": "drives the kernel the grader talks to",
+         "__import__": "imports by name at run time", "get_ipython": "drives the kernel the grader talks to",
          "breakpoint": "stops the kernel"}
 DUNDERS = {"__code__", "__globals__", "__closure__", "__wrapped__", "__builtins__", "__dict__", "__subclasses__",
            "__func__", "__file__", "__loader__", "__spec__", "__defaults__", "__kwdefaults__", "__getattribute__",
            "__bases__", "__mro__", "__base__", "__self__"}
 FRAMES = {"f_back", "f_locals", "f_globals", "f_builtins", "f_code", "tb_frame", "tb_next", "gi_frame", "cr_frame",
           "ag_frame", "gi_code", "co_code", "co_consts"}
-DYNAMIC_ATTRIBUTE = {"getattr", "setattr", "delattr"}
+DYNAMIC_ATTRIBUTE = {"getattr"}  # setattr only writes: what it could write is reached by other means
 SYS_ATTRIBUTES = {"modules", "meta_path", "path_hooks", "path_importer_cache", "_getframe", "settrace",
                   "setprofile", "addaudithook", "path"}
 PROCESS_MEMBERS = {"create_subprocess_exec", "create_subprocess_shell", "subprocess_exec", "subprocess_shell",
@@ -56,32 +55,52 @@ PROCESS_MEMBERS = {"create_subprocess_exec", "create_subprocess_shell", "subproc
 OS_ATTRIBUTES = re.compile(r"^(system|popen|exec\w*|spawn\w*|fork\w*|posix_spawn\w*|kill\w*|setsid)$")
 GRADING_ALLOWED = {"check", "ExerciseFailed", "records"}
 GRADING_NAMED = re.compile(r"^labkit\.grading\.(?!(check|ExerciseFailed|records)(\.|$))\w")  # but what students use
-MAGICS_ALLOWED = {"matplotlib", "env", "pinfo", "pinfo2"}  # and %time, %timeit, whose code is checked
-TIMEIT_OPTIONS = re.compile(r"^\s*(?:-[nrp]\s*\d+\s+|-[tcqo]+\s+)*")
+MAGICS_RUNNING_CODE = {"time", "timeit", "capture", "prun"}  # their line and cell are checked as code
+MAGICS_ALLOWED = {"matplotlib", "env", "pinfo", "pinfo2", "who", "whos", "who_ls", "config", "precision", "pprint",
+                  "load_ext", "autoreload", "debug", "pdb", "history", "lsmagic", "magic", "xdel", "page"}
+MAGIC_OPTIONS = re.compile(r"^\s*(?:-[nrpsTDl]\s*\S+\s+|-[tcqo]+\s+)*")  # -n 10, -r 3, -o ...
+STAR_REFUSED = {"os", "posix", "nt", "sys"}  # `from os import *` then `system(...)`
+CODE_RUNNERS = {"timeit": ("timeit", "repeat", "Timer"), "cProfile": ("run", "runctx"), "profile": ("run", "runctx"),
+                "pdb": ("run", "runeval", "runctx"), "torch.utils.benchmark": ("Timer",)}  # they run strings
 
 
 def course_cells(handed_out: nbformat.NotebookNode | None) -> set[str]:
-    """The sources of the handed-out notebook's code cells (empty without one)."""
-    return {c.source for c in handed_out.cells if c.cell_type == "code"} if handed_out is not None else set()
+    """The sources of the handed-out notebook's code cells, as `as_handed_out` writes them (empty
+    without one)."""
+    return {as_handed_out(c.source) for c in handed_out.cells if c.cell_type == "code"} if handed_out else set()
 
 
 def as_handed_out(source: str) -> str:
-    """A cell's source without the test suite's `# NBVAL_...` markers, which the handed-out notebooks
-    drop: a solution's course cells compare equal to the student's."""
-    return NBVAL_MARKER.sub("", source)
+    """A cell's source as compared with the handed-out notebook's: without the test suite's `# NBVAL_...`
+    markers (which the handed-out notebooks drop) and without trailing spaces and blank lines."""
+    return "\n".join(line.rstrip() for line in NBVAL_MARKER.sub("", source).strip("\n").splitlines())
 
 
 def violations(nb: nbformat.NotebookNode, handed_out: nbformat.NotebookNode | None) -> list[str]:
     """What the notebook's own cells (those not as handed out) do that the course rules forbid, one
     line each, naming the cell. A name is read as every module any cell binds it to (`import torch as
-    T` in one cell makes `T.ops` in another `torch.ops`)."""
+    T` in one cell makes `T.ops` in another `torch.ops`). A course cell the student edited answers
+    only for what the edit added: what the handed-out cell most like it already does is not counted."""
     course = course_cells(handed_out)
     aliases = notebook_aliases(nb)
     found = []
     for number, cell in enumerate(nb.cells, start=1):
-        if cell.cell_type == "code" and as_handed_out(cell.source) not in course:
-            found += [f"cell {number} {what}" for what in cell_violations(cell.source, aliases)]
+        if cell.cell_type != "code" or as_handed_out(cell.source) in course:
+            continue
+        added = Counter(cell_violations(cell.source, aliases))
+        original = _closest(as_handed_out(cell.source), course)
+        if original is not None:
+            added -= Counter(cell_violations(original, aliases))
+        first = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
+        found += [f"cell {number} (`{first[:40]}`) {what}" for what in added]
     return list(dict.fromkeys(found))
+
+
+def _closest(source: str, course: set[str]) -> str | None:
+    """The handed-out cell this one most likely is, edited (at least 60% alike), or None."""
+    scored = [(difflib.SequenceMatcher(None, source, c, autojunk=False).ratio(), c) for c in course]
+    best = max(scored, default=(0.0, None))
+    return best[1] if best[0] >= 0.6 else None
 
 
 def notebook_aliases(nb: nbformat.NotebookNode) -> dict[str, set[str]]:
@@ -145,19 +164,22 @@ def _ipython_call(node: ast.AST) -> tuple[str, list] | None:
 
 
 def _magic_violations(name: str, args: list, aliases: dict[str, set[str]]) -> list[str]:
-    if name in ("time", "timeit"):  # they run their line (after timeit's options) and their cell as code
+    if name in MAGICS_RUNNING_CODE:  # %time, %%capture...: their line (less options) and cell run as code
         if not all(isinstance(a, str) for a in args):
             return [f"runs `%{name}` on code that cannot be checked"]
         line, *cell = args
-        if name == "timeit":
-            line = TIMEIT_OPTIONS.sub("", line)
-        found = [v for code in [line, *cell] for v in cell_violations(code, aliases)]
-        unreadable = [code for code in [line, *cell] if code.strip() and not _parses(code)]
-        return found + ([f"runs `%{name}` on code that cannot be checked"] if unreadable else [])
+        return _code_violations([MAGIC_OPTIONS.sub("", line), *cell], f"`%{name}`", aliases)
     if name in MAGICS_ALLOWED:
         return []
     shown = "a shell command" if name == "!" else f"the magic `%{name}`"
-    return [f"runs {shown} (only %time, %timeit, %matplotlib, %env and ? may be used)"]
+    return [f"runs {shown} (magics that run shell commands, write or run files, or install are not allowed)"]
+
+
+def _code_violations(sources: list, runner: str, aliases: dict[str, set[str]]) -> list[str]:
+    """What code handed to `runner` as strings (a magic's cell, timeit's statement) does."""
+    found = [v for code in sources if isinstance(code, str) for v in cell_violations(code, aliases)]
+    unreadable = [code for code in sources if not isinstance(code, str) or code.strip() and not _parses(code)]
+    return found + ([f"runs {runner} on code that cannot be checked"] if unreadable else [])
 
 
 def _parses(code: str) -> bool:
@@ -176,7 +198,7 @@ def _node_violations(node: ast.AST, aliases: dict[str, set[str]]) -> list[str]:
             return [f"imports from `{'.' * node.level}{node.module or ''}`, a module of the notebook's folder"]
         module = node.module or ""
         found = _module_violations(module)
-        if any(alias.name == "*" for alias in node.names):
+        if any(alias.name == "*" for alias in node.names) and _resolve(module) in STAR_REFUSED | set(MODULES):
             found.append(f"imports * from `{module}`, which hides what it brings in")
         for alias in node.names:  # `from x import y` reaches what `x.y` does
             found += _member_violations(_resolve(module), alias.name) + _module_violations(f"{module}.{alias.name}")
@@ -190,6 +212,14 @@ def _node_violations(node: ast.AST, aliases: dict[str, set[str]]) -> list[str]:
         if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
             return [f"uses `{node.func.id}` with a computed name, which hides what it reaches"]
         return _attribute_violations(name.value, node.args[0], aliases)  # getattr(x, "y") reaches x.y
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        runner = next((b for b in _bases(node.func.value, aliases) if node.func.attr in CODE_RUNNERS.get(b, ())), None)
+        strings = [a for a in [*node.args, *(k.value for k in node.keywords)] if isinstance(a, ast.Constant)
+                   and isinstance(a.value, str)]
+        if runner is not None and strings:  # timeit.timeit("exec(...)"): the string is code too
+            return _code_violations([a.value for a in strings], f"`{runner}.{node.func.attr}`", aliases)
+        if runner in ("pdb", "cProfile", "profile") and node.args:  # they take code only as a string
+            return [f"runs `{runner}.{node.func.attr}` on code built at run time"]
     if isinstance(node, ast.Attribute):
         return _attribute_violations(node.attr, node.value, aliases)
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -205,8 +235,7 @@ def _name_violations(name: str, aliases: dict[str, set[str]]) -> list[str]:
         return [f"uses `{name}`, which {NAMES[name]}"]
     if name in DUNDERS:
         return [f"uses `{name}`, which reaches into code and modules"]
-    return [v for module in aliases.get(name, ()) for v in _module_violations(module)  # a course cell's import
-            if not v.endswith("(a file of the notebook's folder?)")]
+    return [v for module in aliases.get(name, ()) for v in _module_violations(module)]  # a course cell's import
 
 
 def _attribute_violations(attr: str, owner: ast.expr, aliases: dict[str, set[str]]) -> list[str]:
@@ -214,20 +243,20 @@ def _attribute_violations(attr: str, owner: ast.expr, aliases: dict[str, set[str
         return [f"uses `{attr}`, which reaches into code and modules"]
     if attr in FRAMES:
         return [f"uses `{attr}`, which reaches into the grader's frames and code"]
-    if attr in NAMES or attr in ("attrgetter", "methodcaller"):  # __builtins__.exec, operator.attrgetter
-        return [f"uses `{attr}`, which {NAMES.get(attr, 'reaches attributes by computed names')}"]
-    return [v for base in _bases(owner, aliases) for v in _member_violations(base, attr)]
+    bases = _bases(owner, aliases)
+    if attr in ("attrgetter", "methodcaller") and "operator" in bases:
+        return [f"uses `operator.{attr}`, which reaches attributes by computed names"]
+    return [v for base in bases for v in _member_violations(base, attr)]
 
 
 def _bases(owner: ast.expr, aliases: dict[str, set[str]]) -> set[str]:
     """What `owner` (x, or x.y.z) may be, as dotted names through modules: its first name read through
     every import that binds it, then each step through a module attribute named by the module it reaches."""
     dotted = _dotted(owner)
-    if not dotted:
-        return set()
     first, _, rest = dotted.partition(".")
-    starts = aliases.get(first) or {first}
-    return {_resolve(f"{start}.{rest}" if rest else start) for start in starts}
+    if first not in aliases:  # a variable (`code`, `site`, `model`), not a module the notebook imported
+        return set()
+    return {_resolve(f"{start}.{rest}" if rest else start) for start in aliases[first]}
 
 
 def _resolve(dotted: str) -> str:
@@ -267,15 +296,11 @@ def _member_violations(base: str, name: str) -> list[str]:
 
 
 def _module_violations(name: str) -> list[str]:
-    top = name.split(".")[0]
     flagged = [part for part in name.split(".") if part in MODULES]  # torch.multiprocessing too
     if flagged:
         return [f"imports `{name}`, which {MODULES[flagged[0]]}"]
     if name.startswith("labkit.grading.") and name.split(".")[2] not in GRADING_ALLOWED:
         return [f"imports `{name}`, the grading machinery"]
-    if top not in _importable_tops():
-        return [f"imports `{name}`, which is not a module of the course's environment (a file of the "
-                "notebook's folder?)"]
     return []
 
 
@@ -287,13 +312,6 @@ def _dotted(node: ast.expr) -> str:
     if not isinstance(node, ast.Name):
         return ""
     return ".".join([node.id, *reversed(parts)])
-
-
-@functools.cache
-def _importable_tops() -> frozenset[str]:
-    """Top-level modules of the standard library and of the installed distributions, labkit's too."""
-    installed = set(importlib.metadata.packages_distributions())
-    return frozenset(installed | set(sys.stdlib_module_names) | set(sys.builtin_module_names) | {"labkit"})
 
 
 def handed_out(lab: str, root: Path) -> nbformat.NotebookNode | None:

@@ -56,8 +56,10 @@ def grade_one(job: Job, limits: sandbox.Limits, how: str, scratch: Path | None =
         handed_out = rules.handed_out(job.lab, sandbox.COURSE_ROOT)
         broken = rules.violations(nb, handed_out)
         if broken:
-            reason = (f"not graded: {'; '.join(broken[:3])}{' (and more)' if len(broken) > 3 else ''}: the "
-                      "course's rules forbid this in a graded notebook (README, \"No answers one import away\")")
+            reason = (f"not graded: {'; '.join(broken[:3])}{' (and more)' if len(broken) > 3 else ''}. The "
+                      "course's rules forbid this in a graded notebook, so no exercise of this lab is graded: "
+                      "remove or rewrite those lines and hand the notebook in again (README, \"No answers one "
+                      "import away\")")
             return Graded(_zero(job.lab, reason), reason, time.monotonic() - started)
         skip = plan.skipped_cells(nb, handed_out, plan.graded_names(job.lab))
         run = grade_contained(nb, job.lab, limits, how, frozenset(skip), scratch)
