@@ -40,8 +40,7 @@ MODULES = {  # importing these is reaching around the tripwires
     "multiprocessing": "runs other processes", "pty": "runs other processes",
 }
 NAMES = {"exec": "runs code from a string", "eval": "runs code from a string", "compile": "builds code objects",
-         "__import__": "imports by name at run time", "get_ipython": "drives the kernel the grader talks to",
-         "breakpoint": "stops the kernel"}
+         "__import__": "imports by name at run time", "get_ipython": "drives the kernel the grader talks to"}
 DUNDERS = {"__code__", "__globals__", "__closure__", "__wrapped__", "__builtins__", "__dict__", "__subclasses__",
            "__func__", "__file__", "__loader__", "__spec__", "__defaults__", "__kwdefaults__", "__getattribute__",
            "__bases__", "__mro__", "__base__", "__self__"}
