@@ -5,14 +5,13 @@ temperature, top-k, top-p and seed, as an engine step does. Prints milliseconds 
 ratio, measured in the same run.
 """
 
-import statistics
-import time
 
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from labkit.device import describe_device, pick_device
 from labkit.sampling import Sampler, SamplingMetadata, SamplingParams
+from labkit.timing import measure
 
 BATCH, VOCAB, REPEATS = 32, 49_152, 10
 
@@ -30,15 +29,7 @@ def per_row_loop(logits, params):
 
 
 def median_ms(fn, device):
-    fn()  # warm-up
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * measure(fn, REPEATS, device=device).median
 
 
 def main():

@@ -6,22 +6,12 @@ machine's two numbers are measured here on the machine itself (they differ from 
 a step's F and B are counted from the model's shape.
 """
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from labkit.model.config import ModelConfig
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocation and dispatch are not the steady state
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from labkit.timing import measure
 
 
 def measure_matmul_flops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, repeats: int = 5,
@@ -36,7 +26,7 @@ def measure_matmul_flops(m: int, k: int, n: int, dtype: torch.dtype = torch.floa
         torch.matmul(a, b, out=out)
         sync()
 
-    return 2 * m * k * n / _best_seconds(run, repeats)
+    return 2 * m * k * n / measure(run, repeats).best
 
 
 def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5,
@@ -52,8 +42,8 @@ def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5,
         read()
         sync()
 
-    seconds = min(_best_seconds(lambda: run(x.sum), repeats), _best_seconds(lambda: run(lambda: matrix @ vector),
-                                                                            repeats))
+    seconds = min(measure(lambda: run(x.sum), repeats).best,
+                  measure(lambda: run(lambda: matrix @ vector), repeats).best)
     return x.numel() * 4 / seconds
 
 
