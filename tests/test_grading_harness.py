@@ -67,6 +67,14 @@ def test_every_failure_becomes_one_reason(namespace, reason):
     assert "\n" not in outcome.message
 
 
+def test_a_crash_names_the_line_of_the_students_cell():
+    cell = "def helper(x):\n    return x[99]\n\ndef softmax(x):\n    return helper(x)\n"
+    namespace = {}
+    exec(compile(cell, "<ipython-input-3-5e1f>", "exec"), namespace)
+    outcome = run_exercise(get_exercise("00", "softmax"), namespace)
+    assert outcome.message.endswith("(in helper, line 2 of its cell)")  # no source: linecache has no such cell
+
+
 def test_unknown_exercise_lists_the_labs_exercises():
     with pytest.raises(KeyError, match="its exercises: softmax"):
         check("00", "nope", {})
@@ -80,19 +88,22 @@ def _lab00(folder, body):
 
 def test_report_grades_a_class_and_explains_failed_cells(tmp_path):
     klass = tmp_path / "class"
-    for student in ("filled", "blank", "broken"):
+    for student in ("filled", "blank", "broken", "crashes"):
         (klass / student).mkdir(parents=True)
     _lab00(klass / "filled", "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n"
                              "    return e / e.sum(-1, keepdim=True)")
     _lab00(klass / "blank", "def softmax(x):\n    raise NotImplementedError()")
     _lab00(klass / "broken", "1 / 0\ndef softmax(x):\n    return x")
+    _lab00(klass / "crashes", "def softmax(x):\n    return x[99]")
     reports = grade_folder(klass)
     lab00 = {r.student: r.outcomes[0] for r in reports if r.lab == "00"}
     assert [lab00[s].passed for s in ("filled", "blank", "broken")] == [True, False, False]
     assert "not implemented yet" in lab00["blank"].message
     assert lab00["broken"].message == "`softmax` is not defined: its cell (cell 2) raised ZeroDivisionError"
+    assert lab00["crashes"].message.startswith("your code raised IndexError: ")
+    assert lab00["crashes"].message.endswith("(in softmax, line 2 of its cell: `return x[99]`)")
     missing = [r for r in reports if r.missing]
-    assert {r.student for r in missing} == {"filled", "blank", "broken"}
+    assert {r.student for r in missing} == {"filled", "blank", "broken", "crashes"}
     assert {r.lab for r in missing} == {ex.lab for ex in exercises()} - {"00"}, "every lab the course has"
     assert all(o.points == 0 and "no notebook for lab" in o.message for r in missing for o in r.outcomes)
     assert not all_passed(reports)
@@ -101,12 +112,12 @@ def test_report_grades_a_class_and_explains_failed_cells(tmp_path):
     assert f"filled: total 1/{max_points} (missing labs: 01," in table
     json_path, csv_path, _ = write_reports(reports, tmp_path / "out" / "grades.json")
     data = json.loads(json_path.read_text())
-    assert (data["points"], data["max_points"]) == (1, 3 * max_points)
+    assert (data["points"], data["max_points"]) == (1, 4 * max_points)
     filled = next(s for s in data["students"] if s["student"] == "filled")
     assert filled["labs"][0]["exercises"][0]["passed"] is True and "00" not in filled["missing_labs"]
     rows = list(csv.DictReader(csv_path.open()))
     assert {"student", "lab", "exercise", "points", "feedback", "timestamp", "course_commit", "seconds"} <= set(rows[0])
-    assert len(rows) == 3 * len(exercises())
+    assert len(rows) == 4 * len(exercises())
 
 
 def test_an_assignment_grades_its_labs_only_and_names_what_is_missing_or_stray(tmp_path):

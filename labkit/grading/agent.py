@@ -9,6 +9,7 @@ tamper with: a forged reply is only a forged *answer*, which the trusted side st
 """
 
 from labkit.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
+from labkit.grading.core import where_raised
 from labkit.grading.forbidden import Tripwires
 
 
@@ -93,4 +94,4 @@ class Agent:
 
 
 def _describe_error(error: BaseException) -> dict:
-    return {"type": type(error).__name__, "message": str(error)[:2000]}
+    return {"type": type(error).__name__, "message": str(error)[:2000], "where": where_raised(error)}

@@ -174,7 +174,8 @@ def run_exercise(ex: Exercise, namespace) -> Outcome:
     except Exception as error:  # the student's code crashed inside the grader's call
         first_line = (str(error).strip().splitlines() or [""])[0]
         name = raised_type(error)
-        reason = f"your code raised {name}: {first_line}".rstrip(": ")
+        where = getattr(error, "where", "") or where_raised(error)
+        reason = f"your code raised {name}: {first_line}".rstrip(": ") + (f" ({where})" if where else "")
     finally:
         GRADING.reset(token)
     if wires.tripped:  # even if the student's code caught the tripwire's exception
@@ -182,6 +183,22 @@ def run_exercise(ex: Exercise, namespace) -> Outcome:
     if len(reason) > FEEDBACK_CHARS:  # a message may quote what the student's code gave or raised
         reason = reason[:FEEDBACK_CHARS - 1] + "…"
     return Outcome(ex.lab, ex.name, 0, ex.points, reason)
+
+
+def where_raised(error: BaseException) -> str:
+    """Where in the student's notebook `error` was raised: the innermost frame in a notebook cell
+    (IPython names cell code `<ipython-input-…>`, ipykernel `…/ipykernel_<pid>/<hash>.py`), as
+    "in f, line 3 of its cell: `code`"; "" if no cell's code is on the traceback."""
+    import linecache
+    import traceback
+
+    cell_frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+                   if frame.filename.startswith("<ipython-input-") or "/ipykernel_" in frame.filename]
+    if not cell_frames:
+        return ""
+    frame = cell_frames[-1]
+    code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+    return f"in {frame.name}, line {frame.lineno} of its cell" + (f": `{code[:120]}`" if code else "")
 
 
 def raised_type(error: BaseException) -> str:

@@ -33,9 +33,10 @@ class KernelLost(ExerciseFailed):
 class RemoteError(Exception):
     """The student's code raised; `type_name` is the type the student's code raised."""
 
-    def __init__(self, type_name: str, message: str):
+    def __init__(self, type_name: str, message: str, where: str = ""):
         super().__init__(message)
         self.type_name = type_name
+        self.where = where  # the line of the student's cell it was raised on, as the kernel says
 
 
 def send_frame(sock: socket.socket, text: str) -> None:
@@ -223,7 +224,7 @@ class RemoteObject(Handle):
             type_name, message = _short(error.get("type", "Exception"), 80), _short(error.get("message", ""), 2000)
             if type_name == "NotImplementedError":
                 raise NotImplementedError(message)
-            raise RemoteError(type_name, message)
+            raise RemoteError(type_name, message, _short(error.get("where", ""), 200))
         return result
 
 
