@@ -113,9 +113,11 @@ def kv_capacity_by_allocation(config, seq_len, memory_bytes, dtype_bytes, block_
 
 
 def kv_capacity_half_right(config, seq_len, memory_bytes, dtype_bytes, block_size, *, heads="num_kv_heads",
-                           tensors=2, layers=True, whole_blocks=True, seq_blocks=math.ceil, pool_blocks=math.floor):
+                           tensors=2, layers=True, whole_blocks=True, seq_blocks=math.ceil, pool_blocks=math.floor,
+                           derive_head_dim=False):
     """The arithmetic with one step of it switched to what a student half-remembers."""
-    per_token = tensors * (config["num_layers"] if layers else 1) * config[heads] * config["head_dim"] * dtype_bytes
+    head_dim = config["hidden_size"] // config["num_heads"] if derive_head_dim else config["head_dim"]
+    per_token = tensors * (config["num_layers"] if layers else 1) * config[heads] * head_dim * dtype_bytes
     if not whole_blocks:
         return per_token, memory_bytes // (seq_len * per_token)
     blocks = int(pool_blocks(memory_bytes / (block_size * per_token)))
@@ -290,6 +292,8 @@ WRONG = [
     Wrong("decode_regimes", "imports the grader's reference", lambda *a: reference_decode_regimes(*a),
           "`reference_decode_regimes`", calls="labkit.grading.labs.lab12.reference_decode_regimes"),
     Wrong("kv_capacity", "query heads instead of KV heads", kv_with(heads="num_heads"), "use num_kv_heads"),
+    Wrong("kv_capacity", "head_dim derived as hidden_size / num_heads", kv_with(derive_head_dim=True),
+          "read head_dim from the config"),
     Wrong("kv_capacity", "K only", kv_with(tensors=1), "the factor 2"),
     Wrong("kv_capacity", "one layer", kv_with(layers=False), "multiply by num_layers"),
     Wrong("kv_capacity", "tokens, not blocks", kv_with(whole_blocks=False), "whole blocks"),

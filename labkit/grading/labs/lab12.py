@@ -155,7 +155,8 @@ def decode_regimes(ns):
 def reference_kv_capacity(config, seq_len, memory_bytes, dtype_bytes, block_size, *, mistake=None):
     """(KV bytes per token, sequences of seq_len tokens that fit in memory_bytes of blocks)."""
     heads = config["num_heads"] if mistake == "query_heads" else config["num_kv_heads"]
-    per_token = (1 if mistake == "k_only" else 2) * config["num_layers"] * heads * config["head_dim"] * dtype_bytes
+    head_dim = config["hidden_size"] // config["num_heads"] if mistake == "derived_head_dim" else config["head_dim"]
+    per_token = (1 if mistake == "k_only" else 2) * config["num_layers"] * heads * head_dim * dtype_bytes
     if mistake == "one_layer":
         per_token //= config["num_layers"]
     if mistake == "tokens_not_blocks":
@@ -169,6 +170,8 @@ def reference_kv_capacity(config, seq_len, memory_bytes, dtype_bytes, block_size
 
 _KV_MISTAKES = {
     "query_heads": "the cache stores K and V per KV head: use num_kv_heads, not num_heads (GQA shares them)",
+    "derived_head_dim": "read head_dim from the config: hidden_size / num_heads is not every model's head size "
+                        "(Qwen3-0.6B: 1024 / 16 = 64, but its head_dim is 128)",
     "k_only": "the cache holds K and V: two tensors per layer (the factor 2)",
     "one_layer": "every layer has its own K and V: multiply by num_layers",
     "tokens_not_blocks": "memory is handed out in whole blocks: a sequence takes ceil(seq_len / block_size) "
@@ -184,8 +187,10 @@ def kv_capacity(ns):
     fn = require(ns, "kv_capacity")
     smollm2 = {"num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "hidden_size": 576}
     llama3_8b = {"num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "hidden_size": 4096}
+    qwen3_06b = {"num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128, "hidden_size": 1024}
     rng = random.Random(1212)
-    cases = [(smollm2, 1000, 2**30, 2, 16), ({**smollm2, "num_kv_heads": 1}, 1000, 2**30, 2, 16),
+    cases = [(smollm2, 1000, 2**30, 2, 16), (qwen3_06b, 2048, 2**30, 2, 16),
+             ({**smollm2, "num_kv_heads": 1}, 1000, 2**30, 2, 16),
              ({**smollm2, "num_kv_heads": 9}, 1000, 2**30, 2, 16), (llama3_8b, 2048, 16 * 2**30, 2, 16),
              (smollm2, 17, 40 * 16 * 23040, 2, 16), (smollm2, 16, 40 * 16 * 23040 - 1, 2, 16),
              (smollm2, 5, 10**6, 4, 8), (smollm2, 100, 10**5, 2, 16)]
@@ -193,7 +198,8 @@ def kv_capacity(ns):
         kv = rng.choice([1, 2, 4, 8])
         config = {"num_layers": rng.randint(1, 40), "num_heads": kv * rng.choice([1, 2, 4]), "num_kv_heads": kv,
                   "head_dim": rng.choice([32, 64, 128]), "hidden_size": 0}
-        config["hidden_size"] = config["num_heads"] * config["head_dim"]
+        # as in Qwen3 and Gemma, head_dim need not be hidden_size / num_heads
+        config["hidden_size"] = config["num_heads"] * config["head_dim"] // rng.choice([1, 1, 2])
         cases.append((config, rng.randint(1, 5000), rng.randint(10**5, 10**10), rng.choice([1, 2, 4]),
                       rng.choice([8, 16, 32])))
     for config, *rest in cases:
