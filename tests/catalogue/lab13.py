@@ -103,15 +103,26 @@ def append_per_head_loop(codes, scales, x, offset):
     return codes, scales
 
 
-def append_with(codes, scales, x, offset, grow=True, rescale=True, reset=True, per_head=True, rounding=torch.round):
+def append_with(codes, scales, x, offset, grow=True, rescale=True, reset=True, per_head=True, rounding=torch.round,
+                rerounding=None):
     """The rule with one step left out or done wrong, as a student might."""
+    rerounding = rerounding or rounding
     old = torch.zeros_like(scales) if offset == 0 and reset else scales
     head_max = x.abs().amax(-1) if per_head else x.abs().amax().expand(scales.shape)
     new = torch.maximum(old, head_max / 127) if grow else torch.where(old > 0, old, head_max / 127)
     if rescale:
         ratio = torch.where((new > old) & (old > 0), old / new.clamp_min(1e-30), torch.ones_like(new))
-        codes[:offset] = rounding(codes[:offset].float() * ratio[:, None]).to(torch.int8)
+        codes[:offset] = rerounding(codes[:offset].float() * ratio[:, None]).to(torch.int8)
     codes[offset] = rounding(x / new.clamp_min(1e-30)[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, new
+
+
+def append_inverse_ratio(codes, scales, x, offset):
+    old = torch.zeros_like(scales) if offset == 0 else scales
+    new = torch.maximum(old, x.abs().amax(dim=-1) / 127)
+    ratio = torch.where((new > old) & (old > 0), new / old.clamp_min(1e-30), torch.ones_like(new))
+    codes[:offset] = (codes[:offset].float() * ratio[:, None]).round().clamp(-127, 127).to(torch.int8)
+    codes[offset] = (x / new.clamp_min(1e-30)[:, None]).round().clamp(-127, 127).to(torch.int8)
     return codes, new
 
 
@@ -271,6 +282,12 @@ WRONG = [
           "one scale per KV head"),
     Wrong("append_to_block", "casts without rounding", lambda *a: append_with(*a, rounding=torch.trunc),
           "without rounding"),
+    Wrong("append_to_block", "rounds new codes, truncates the re-scaled old ones",
+          lambda *a: append_with(*a, rerounding=torch.trunc), "the old codes (code x old / new) were cast"),
+    Wrong("append_to_block", "truncates the new token's codes only",
+          lambda *a: append_with(*a, rounding=torch.trunc, rerounding=torch.round), "the new token's codes were cast"),
+    Wrong("append_to_block", "re-rounds old codes with the inverse ratio (new / old)",
+          append_inverse_ratio, "the scales are right, but the code written at offset"),
     Wrong("append_to_block", "the new token's scale only", append_with_the_new_token_only, "may only grow"),
     Wrong("append_to_block", "calls labkit's store_quantized", append_with_labkit, "`store_quantized`",
           calls="labkit.cache.kv_quant.store_quantized"),

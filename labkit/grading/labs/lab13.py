@@ -18,7 +18,8 @@ def _two_tensors(got, what: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- exercise 1: a KV block that fills over time -------------------------------------------------
 def reference_append_to_block(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, offset: int,
-                              *, grow=True, rescale=True, reset=True, per_head=True, rounding=torch.round):
+                              *, grow=True, rescale=True, reset=True, per_head=True, rounding=torch.round,
+                              rerounding=torch.round):
     """labkit's rule (labkit.cache.kv_quant). The keywords re-create typical mistakes."""
     codes, scales = codes.clone(), scales.clone()
     old = torch.zeros_like(scales) if offset == 0 and reset else scales
@@ -27,7 +28,7 @@ def reference_append_to_block(codes: torch.Tensor, scales: torch.Tensor, x: torc
     if rescale:
         grown = (new > old) & (old > 0)
         ratio = torch.where(grown, old / torch.where(new > 0, new, 1.0), 1.0)
-        codes[:offset] = rounding(codes[:offset].float() * ratio[:, None]).to(torch.int8)
+        codes[:offset] = rerounding(codes[:offset].float() * ratio[:, None]).to(torch.int8)
     safe = torch.where(new > 0, new, 1.0)
     codes[offset] = rounding(x / safe[:, None]).clamp(-127, 127).to(torch.int8)
     return codes, new
@@ -39,8 +40,10 @@ _APPEND_MISTAKES = (
                           "them to the new one (code x old / new)"),
     (dict(reset=False), "offset 0 starts the block over: the scale it holds belonged to a freed block's tokens"),
     (dict(per_head=False), "one scale for the whole block: keep one scale per KV head (heads differ in size)"),
-    (dict(rounding=torch.trunc), "codes were cast to int8 without rounding, which truncates toward zero: round to "
-                                 "the nearest code first"),
+    (dict(rounding=torch.trunc), "the new token's codes were cast to int8 without rounding, which truncates toward "
+                                 "zero: round x / scale to the nearest code first"),
+    (dict(rerounding=torch.trunc), "the scale grew and the old codes (code x old / new) were cast to int8 without "
+                                   "rounding, which truncates toward zero: round them to the nearest code"),
 )
 
 
@@ -82,11 +85,21 @@ def append_to_block(ns):
                 if offset > 0 and got_scales.lt(scales * (1 - 1e-6)).any():
                     raise ExerciseFailed(f"token at offset {offset}: a scale shrank; it may only grow, or the codes "
                                          "already in the block would no longer fit it")
-                raise ExerciseFailed(f"token at offset {offset} (head sizes {sizes[offset]}): expected scales "
-                                     f"{[round(v, 6) for v in want_scales.tolist()]}, got "
-                                     f"{[round(v, 6) for v in got_scales.tolist()]}, or the codes differ")
+                raise ExerciseFailed(f"token at offset {offset} (head sizes {sizes[offset]}): "
+                                     + _block_difference(got_codes, got_scales, want_codes, want_scales, offset))
             codes, scales = want_codes, want_scales
     return "scales only grow, old codes re-rounded when they do, offset 0 starts over, no NaN on zeros"
+
+
+def _block_difference(codes, scales, want_codes, want_scales, offset) -> str:
+    """Where a block differs from the right one: the first scale, else the first code, with its place."""
+    if not torch.allclose(scales, want_scales, rtol=1e-5, atol=1e-12):
+        head = int((~torch.isclose(scales, want_scales, rtol=1e-5, atol=1e-12)).nonzero()[0])
+        return f"head {head}'s scale should be {want_scales[head].item():.9g}, got {scales[head].item():.9g}"
+    row, head, dim = (codes[:offset + 1] != want_codes[:offset + 1]).nonzero()[0].tolist()
+    which = "the new token's code" if row == offset else f"the code written at offset {row}, re-rounded,"
+    return (f"the scales are right, but {which} at head {head}, element {dim} should be "
+            f"{int(want_codes[row, head, dim])}, got {int(codes[row, head, dim])}")
 
 
 def _same_block(codes, scales, want_codes, want_scales, offset) -> bool:
