@@ -114,6 +114,36 @@ def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_muta
     assert run_exercise(get_exercise("99", "peek"), namespace).passed
 
 
+def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp_path, lab99):
+    """`kernel[grid](...)` on a proxy runs the launch in the student's process; outputs come back in place."""
+    from labkit.grading.session import grade_contained, read_notebook
+
+    def launches(name):
+        def grader(ns):
+            kernel = require(ns, name)()
+            src, dst = torch.arange(10.0), torch.zeros(10)
+            kernel[(3,)](src, dst, 10, BLOCK=4)
+            if not torch.equal(dst, src):
+                raise ExerciseFailed(f"copied {dst.tolist()}")
+            return "ok"
+        return grader
+
+    for name in ("copy", "not_a_kernel"):
+        lab99(name)(launches(name))
+    student = write_notebook(
+        tmp_path / "student", "99_triton.ipynb",
+        "import os\nos.environ['TRITON_INTERPRET'] = '1'\nimport triton, triton.language as tl",
+        "@triton.jit\ndef copy_kernel(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+        "    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)",
+        "def copy():\n    return copy_kernel",
+        "def not_a_kernel():\n    return lambda src, dst, n, BLOCK: dst.copy_(src)")
+    run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
+    got = {o.name: o for o in run.outcomes}
+    assert got["copy"].passed, got["copy"].message
+    assert "function is not a Triton kernel" in got["not_a_kernel"].message
+
+
 # --- in-process: tripwires, static checks and the codec ------------------------------------------------
 
 

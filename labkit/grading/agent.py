@@ -70,7 +70,7 @@ class Agent:
                     "class": isinstance(value, type)}
         if op == "value":
             return {"result": Encoder(handles=self._keep).encode(self.namespace[request["name"]])}
-        if op not in ("call", "getattr"):
+        if op not in ("call", "getattr", "launch"):
             raise CodecError(f"unknown request {op!r}")
         target = self.namespace[request["name"]] if "name" in request else self._handle(request["handle"], "")
         decoder = Decoder(handle=self._handle, may_import=True)
@@ -82,7 +82,10 @@ class Agent:
         body: dict = {}
         with wires.armed(self.namespace, getattr(function, "__globals__", {}), functions=(function,)):
             try:
-                result = target(*args, **kwargs) if op == "call" else getattr(target, request["attr"])
+                if op == "launch":
+                    result = _launch(target, request.get("grid"), args, kwargs)
+                else:
+                    result = target(*args, **kwargs) if op == "call" else getattr(target, request["attr"])
             except BaseException as error:  # noqa: BLE001
                 body["error"] = _describe_error(error)
         encoder = Encoder(handles=self._keep, known={identity(obj): n for n, obj in inputs.items()})
@@ -91,6 +94,18 @@ class Agent:
             body["result"] = encoder.encode(result)
         body["tripped"] = list(wires.tripped)
         return body
+
+
+def _launch(kernel, grid, args, kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)` for a Triton kernel (the grader's own launch of a student's
+    `@triton.jit` function); its outputs come back as the arguments' new contents."""
+    from triton.runtime.jit import KernelInterface
+
+    if not isinstance(kernel, KernelInterface):
+        raise TypeError(f"a {type(kernel).__name__} is not a Triton kernel: define it with @triton.jit")
+    if not (type(grid) is list and 1 <= len(grid) <= 3 and all(type(n) is int and 0 < n <= 2**16 for n in grid)):
+        raise CodecError(f"a launch grid is 1 to 3 positive ints, not {grid!r}")
+    kernel[tuple(grid)](*args, **kwargs)
 
 
 def _describe_error(error: BaseException) -> dict:

@@ -190,6 +190,11 @@ class RemoteObject(Handle):
     def __call__(self, *args, **kwargs):
         return self._send({"op": "call"}, (list(args), dict(kwargs)))
 
+    def __getitem__(self, grid):
+        """`kernel[grid]`, as Triton launches a kernel: the call it returns runs in the student's kernel."""
+        grid = list(grid) if isinstance(grid, tuple) else [grid]
+        return lambda *args, **kwargs: self._send({"op": "launch", "grid": grid}, (list(args), dict(kwargs)))
+
     def __getattr__(self, attr: str):
         if attr.startswith("_"):
             raise AttributeError(attr)
