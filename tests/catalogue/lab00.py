@@ -26,6 +26,17 @@ def via_logsumexp(x):
     return (x - x.logsumexp(-1, keepdim=True)).exp()
 
 
+def in_place(x):
+    x -= x.max(-1, keepdim=True).values
+    x.exp_()
+    return x.div_(x.sum(-1, keepdim=True))
+
+
+def max_without_keepdim(x):
+    e = (x - x.max(-1).values).exp()
+    return e / e.sum(-1, keepdim=True)
+
+
 def global_max(x):
     e = (x - x.max()).exp()
     return e / e.sum(-1, keepdim=True)
@@ -43,6 +54,11 @@ WRONG = [
           "exp overflowed"),
     Wrong("softmax", "subtracted the global max, not each row's", global_max, "each row's own max"),
     Wrong("softmax", "forgot keepdim on the row sums", lambda x: x.exp() / x.exp().sum(-1), "keepdim=True"),
+    Wrong("softmax", "overwrote its input in place", in_place, "changed its input x in place"),
+    Wrong("softmax", "row max without keepdim", max_without_keepdim, "without keepdim=True"),
+    Wrong("softmax", "built the result from a list without dtype", lambda x: torch.tensor(vectorised(x).tolist()),
+          "dtype"),
+    Wrong("softmax", "cast to float32", lambda x: vectorised(x).float(), "came back as torch.float32"),
     Wrong("softmax", "exp without normalising", lambda x: x.exp(), "not exp(x) / sum(exp(x))"),
     Wrong("softmax", "returned log-softmax", lambda x: x - x.logsumexp(-1, keepdim=True), "that is log-softmax"),
     Wrong("softmax", "returned a nested list", lambda x: vectorised(x).tolist(), "expected a tensor"),

@@ -2,7 +2,7 @@
 
 import torch
 
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
 
 FORBIDDEN = (
     "torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax", "torch.special.softmax",
@@ -27,15 +27,12 @@ def softmax(ns):
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, generator=generator, dtype=torch.float64)
     square = torch.randn(4, 4, generator=generator, dtype=torch.float64)
-    got_square = fn(square.clone())
-    if isinstance(got_square, torch.Tensor) and torch.allclose(got_square, square.exp() / square.exp().sum(-1)):
+    got_square = _call(fn, square)
+    if torch.allclose(got_square, square.exp() / square.exp().sum(-1)):
         raise ExerciseFailed("each row was divided by the wrong row's sum: keep the summed dimension "
                              "(sum(-1, keepdim=True)) so it broadcasts along rows")
-    got = fn(logits.clone())
-    large = fn(_spread(logits))
-    if not isinstance(got, torch.Tensor) or got.shape != logits.shape:
-        raise ExerciseFailed(f"expected a tensor of shape {tuple(logits.shape)}, got "
-                             f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+    got = _call(fn, logits)
+    large = _call(fn, _spread(logits))
     if torch.allclose(got.sum(0), torch.ones(7, dtype=got.dtype)) and not torch.allclose(
         got.sum(-1), torch.ones(3, dtype=got.dtype)
     ):
@@ -44,9 +41,10 @@ def softmax(ns):
         raise ExerciseFailed("that is log-softmax (log-probabilities): exponentiate, so each row sums to 1")
     if not torch.allclose(got, _rowwise(logits.exp()), atol=1e-6):
         raise ExerciseFailed("the values are not exp(x) / sum(exp(x)) along the last dimension")
-    if isinstance(large, torch.Tensor) and large.shape == logits.shape and torch.allclose(
-        large, _rowwise((_spread(logits) - _spread(logits).max()).exp()), equal_nan=True
-    ):
+    if not torch.allclose(got_square, _rowwise(square.exp()), atol=1e-6):
+        raise ExerciseFailed("a square input [4, 4] gives wrong rows: a row's max or sum taken without "
+                             "keepdim=True has shape [rows] and broadcasts along the columns; keep the dimension")
+    if torch.allclose(large, _rowwise((_spread(logits) - _spread(logits).max()).exp()), equal_nan=True):
         raise ExerciseFailed("subtracted the largest value of the whole tensor: subtract each row's own max "
                              "(max(-1, keepdim=True)), or rows far below it underflow to 0/0")
     if not torch.isfinite(large).all():
@@ -54,7 +52,32 @@ def softmax(ns):
     expected = _rowwise((_spread(logits) - _spread(logits).amax(-1, keepdim=True)).exp())
     if not torch.allclose(large, expected, atol=1e-6):
         raise ExerciseFailed("large logits give wrong values: subtract each row's max before exponentiating")
+    _call(fn, logits.float())  # the dtype follows the input's, whichever it is
     return "rows sum to 1, and large logits don't overflow"
+
+
+def _call(fn, x: torch.Tensor):
+    """The student's softmax of a copy of `x`, checked for shape and dtype; fails if it wrote into its
+    input, or if a row reduction without keepdim could not broadcast."""
+    given = x.clone()
+    try:
+        got = fn(given)
+    except Exception as error:
+        if raised_type(error) == "RuntimeError" and "must match the size" in str(error):
+            raise ExerciseFailed(f"RuntimeError on a {tuple(x.shape)} input (\"{str(error).splitlines()[0]}\"): a "
+                                 "row's max or sum taken without keepdim=True has shape [rows], which does not "
+                                 "broadcast against [rows, cols]; keep the dimension") from None
+        raise
+    if not torch.equal(given, x):
+        raise ExerciseFailed("softmax changed its input x in place (x -= ..., exp_(), div_()): the caller's logits "
+                             "are still needed (for logprobs, for another sample); compute into a new tensor")
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        raise ExerciseFailed(f"expected a tensor of shape {tuple(x.shape)}, got "
+                             f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+    if got.dtype != x.dtype:
+        raise ExerciseFailed(f"a {x.dtype} input came back as {got.dtype}: return x's dtype (no .float(), and a "
+                             "tensor built from a list needs dtype=x.dtype)")
+    return got
 
 
 @exercise("00", "knowledge_check")
