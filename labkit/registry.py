@@ -21,7 +21,8 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     """Turn a model reference into the one path the loaders read, the same for model and tokenizer:
 
     "smollm2" (a known name) or a .gguf file -> that file; a Hugging Face folder (it has a
-    config.json) -> the folder; any other folder holding exactly one .gguf file -> that file.
+    config.json, or a tokenizer.json for a tokenizer alone) -> the folder; any other folder holding
+    exactly one .gguf file -> that file.
     """
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"model must be a name or a path, got {type(name_or_path).__name__}")
@@ -41,7 +42,7 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
             raise FileNotFoundError(f"{package} is installed but {filename} is missing from {path.parent}")
         return path
     path = Path(name_or_path).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file():
+    if path.is_dir() and not any((path / name).is_file() for name in ("config.json", "tokenizer.json")):
         ggufs = sorted(path.glob("*.gguf"))
         if not ggufs:
             raise FileNotFoundError(f"{path} holds no model: no config.json (a Hugging Face folder) and no .gguf file")

@@ -9,6 +9,7 @@ source can be encoded with `allowed_special="none"`: then "<|im_end|>" in it is 
 
 import json
 import operator
+import unicodedata
 from collections import Counter
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -34,7 +35,10 @@ class Tokenizer:
     def __init__(self, vocab: list[bytes], merges: list[Pair], pattern: str = "gpt2",
                  special_tokens: dict[str, int] | None = None, bos_token_id: int | None = None,
                  eos_token_id: int | None = None, add_bos_token: bool = False,
-                 add_eos_token: bool = False, chat_template: str | None = None):
+                 add_eos_token: bool = False, chat_template: str | None = None, normalization: str | None = None):
+        if normalization not in (None, "NFC"):
+            raise ValueError(f"normalization must be None or 'NFC', got {normalization!r}")
+        self.normalization = normalization  # Qwen's tokenizers compose characters (NFC) before anything else
         self.vocab = list(vocab)
         self.pattern = resolve_pattern(pattern)
         self._regex = regex.compile(self.pattern)
@@ -73,6 +77,8 @@ class Tokenizer:
         strings whose literal text becomes their id; other text is encoded as ordinary bytes."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        if self.normalization:
+            text = unicodedata.normalize(self.normalization, text)
         ids = []
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.append(self.bos_token_id)
@@ -182,7 +188,7 @@ class Tokenizer:
             "format": SAVE_FORMAT, "pattern": self.pattern, "special_tokens": self.special_tokens,
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token,
-            "chat_template": self.chat_template, "tokens": tokens,
+            "chat_template": self.chat_template, "normalization": self.normalization, "tokens": tokens,
             "merges": [f"{tokens[a]} {tokens[b]}" for a, b in self.merges],
         }
         Path(path).write_text(json.dumps(data, indent=0, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -194,6 +200,7 @@ class Tokenizer:
             raise ValueError(f"{path} is not a labkit tokenizer file (format {SAVE_FORMAT!r})")
         options = {k: data[k] for k in ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token",
                                          "chat_template")}
+        options["normalization"] = data.get("normalization")  # absent in files saved before it existed
         return cls.from_printable(data["tokens"], data["merges"], data["pattern"], data["special_tokens"],
                                   **options)
 
