@@ -68,10 +68,6 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # of those, tokens whose K/V was found in the cache
     evictions: int = 0  # cached blocks reused for new content
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class BlockStorage(Protocol):
     """Where swap_out / swap_in copy a sequence's K/V, and copy-on-write copies blocks (PagedKVStorage)."""

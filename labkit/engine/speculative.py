@@ -189,6 +189,7 @@ class SpeculativeDecoder:
 
     def __init__(self, config: SpeculativeConfig, runner, block_manager, storage, scheduler_config,
                  vocab_size: int):
+        self.drafter: Drafter
         if config.method == "ngram":
             self.drafter = NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
         else:
