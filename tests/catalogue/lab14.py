@@ -109,16 +109,22 @@ def sampled_numpy_style(p, draft, q, generator):
     return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=generator))]
 
 
-def sampled_with(p, draft, q, generator, *, rule="ratio", resample="residual", bonus=True):
+def sampled_with(p, draft, q, generator, *, rule="ratio", resample="residual", bonus=True, accept_row=None,
+                 resample_row=None, one_uniform=False):
+    """Rejection sampling with one step done as a student half-remembers it; `accept_row` / `resample_row`
+    judge every draft by that row of p, `one_uniform` draws a single uniform number for all the drafts."""
     out = []
+    shared = float(torch.rand((), generator=generator))
     for i, x in enumerate(draft):
         qi = q[i] if q is not None else torch.eye(p.shape[-1])[x]
-        chance = {"ratio": min(1.0, float(p[i][x] / qi[x])), "always": 1.0, "p": float(p[i][x]),
-                  "inverse": min(1.0, float(qi[x] / p[i][x])) if p[i][x] > 0 else 1.0}[rule]
-        if float(torch.rand((), generator=generator)) < chance:
+        pa = p[i if accept_row is None else accept_row]
+        chance = {"ratio": min(1.0, float(pa[x] / qi[x])), "always": 1.0, "p": float(pa[x]),
+                  "inverse": min(1.0, float(qi[x] / pa[x])) if pa[x] > 0 else 1.0}[rule]
+        if (shared if one_uniform else float(torch.rand((), generator=generator))) < chance:
             out.append(x)
             continue
-        weights = {"residual": (p[i] - qi).clamp(min=0), "p": p[i], "q": qi}[resample]
+        pr = p[i if resample_row is None else resample_row]
+        weights = {"residual": (pr - qi).clamp(min=0), "p": pr, "q": qi}[resample]
         return out + [int(torch.multinomial(weights, 1, generator=generator))]
     return out + ([int(torch.multinomial(p[len(draft)], 1, generator=generator))] if bonus else [])
 
@@ -200,11 +206,23 @@ WRONG = [
     Wrong("verify_sampled", "accepts every draft", lambda p, d, q, g: sampled_with(p, d, q, g, rule="always"),
           "probability 0, so it is always rejected"),
     Wrong("verify_sampled", "accepts with probability p(x)", lambda p, d, q, g: sampled_with(p, d, q, g, rule="p"),
-          "not distributed as p"),
+          "The acceptance rule is wrong: accept a draft x with probability min(1, p(x) / q(x)), not p(x)"),
+    Wrong("verify_sampled", "the first draft's target row for every draft",
+          lambda p, d, q, g: sampled_with(p, d, q, g, accept_row=0, resample_row=0),
+          "The acceptance rule is wrong: draft i is judged by row i of target_probs"),
+    Wrong("verify_sampled", "row 0 for the acceptance test only",
+          lambda p, d, q, g: sampled_with(p, d, q, g, accept_row=0),
+          "The acceptance rule is wrong: draft i is judged by row i of target_probs"),
+    Wrong("verify_sampled", "row 0 for the replacement only",
+          lambda p, d, q, g: sampled_with(p, d, q, g, resample_row=0),
+          "The replacement step is wrong: the replacement for draft i comes from row i"),
+    Wrong("verify_sampled", "one uniform draw for all the drafts",
+          lambda p, d, q, g: sampled_with(p, d, q, g, one_uniform=True),
+          "The acceptance rule is wrong: one uniform number was drawn for all the drafts"),
     Wrong("verify_sampled", "accepts with q(x) / p(x)", lambda p, d, q, g: sampled_with(p, d, q, g, rule="inverse"),
           "always rejected"),
     Wrong("verify_sampled", "resamples from p", lambda p, d, q, g: sampled_with(p, d, q, g, resample="p"),
-          "not from p or q"),
+          "The replacement step is wrong: draw from normalize(max(0, p - q)), not from p"),
     Wrong("verify_sampled", "resamples from q", lambda p, d, q, g: sampled_with(p, d, q, g, resample="q"),
           "always rejected"),
     Wrong("verify_sampled", "no bonus token", lambda p, d, q, g: sampled_with(p, d, q, g, bonus=False),

@@ -119,21 +119,151 @@ def verify_greedy(ns):
 
 
 # ---- exercise 3: rejection sampling ----------------------------------------------------------
-# The 0.999 quantile of chi-square with 4 degrees of freedom (5 categories), from a standard table.
-CHI2_4DOF_999 = 18.467
-_P = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.1, 0.2, 0.2, 0.2]])
-_Q = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2]])
+# Upper 0.999 quantiles of chi-square with 1..4 degrees of freedom, from a standard table.
+CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467}
+Z_LIMIT = 4.0  # an acceptance count this many standard deviations off its expectation is not chance
 
-
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
+# (target_probs [k + 1, 5], draft_probs [k, 5] or None, how drafts are drawn [k, 5], trials). Rows differ, so
+# a draft judged by the wrong row is accepted at the wrong rate; each case reaches every position often.
+_SAMPLED_CASES = (
+    (torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.1, 0.2, 0.2, 0.2]]),
+     torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2]]), None, 1500),
+    (torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.1, 0.2, 0.2, 0.2]]), None,
+     torch.full((1, 5), 0.2), 1500),
+    (torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05], [0.05, 0.05, 0.1, 0.2, 0.6], [0.25, 0.05, 0.3, 0.1, 0.3]]),
+     torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2], [0.1, 0.2, 0.4, 0.2, 0.1]]), None, 3000),
+    (torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05], [0.1, 0.7, 0.05, 0.1, 0.05], [0.05, 0.1, 0.7, 0.1, 0.05],
+                   [0.3, 0.2, 0.1, 0.2, 0.2]]), None,
+     torch.tensor([[0.7, 0.1, 0.1, 0.05, 0.05], [0.1, 0.7, 0.05, 0.1, 0.05], [0.05, 0.1, 0.7, 0.1, 0.05]]), 2000),
+)
 
 
 def _as_tokens(got, what: str) -> list[int]:
     if not isinstance(got, list) or not got or not all(isinstance(t, int) for t in got):
         raise ExerciseFailed(f"{what}: return the list of emitted token ids (at least one), got {got!r}")
     return got
+
+
+def _q_row(draft_probs, i: int, x: int, vocab: int) -> torch.Tensor:
+    """Draft i's q: the draft model's row, or one-hot on the draft for a deterministic drafter."""
+    return draft_probs[i] if draft_probs is not None else torch.eye(vocab)[x]
+
+
+def _ratio(p_row, q_row, x) -> float:
+    return min(1.0, float(p_row[x] / q_row[x]))
+
+
+def _shared_uniform(ratios, i) -> float:
+    """P(u < r_i | u < r_0, ..., u < r_(i-1)) for one uniform u shared by all drafts."""
+    reached = min(ratios[:i], default=1.0)
+    return min(reached, ratios[i]) / reached
+
+
+# The chance that draft i is accepted, given drafts 0..i-1 were: the right rule first, then typical wrong ones.
+# Each takes (target_probs, q of (position, token), draft, i, the right min(1, p/q) of every draft).
+_ACCEPTANCE_RULES = {
+    None: lambda p, q, draft, i, ratios: ratios[i],
+    "accept a draft x with probability min(1, p(x) / q(x)), not p(x)":
+        lambda p, q, draft, i, ratios: float(p[i][draft[i]]),
+    "draft i is judged by row i of target_probs, not row 0 for every draft":
+        lambda p, q, draft, i, ratios: _ratio(p[0], q(i, draft[i]), draft[i]),
+    "one uniform number was drawn for all the drafts: draw a fresh one per draft, or a draft that follows an "
+    "accepted one is accepted more often than min(1, p/q)": lambda p, q, draft, i, ratios: _shared_uniform(ratios, i),
+}
+# What a rejection at position i is drawn from (unnormalized): the residual first, then typical wrong ones.
+_REPLACEMENTS = {
+    None: lambda p, q_row, i: torch.clamp(p[i] - q_row, min=0),
+    "draw from normalize(max(0, p - q)), not from p": lambda p, q_row, i: p[i],
+    "draw from normalize(max(0, p - q)), not from q": lambda p, q_row, i: q_row,
+    "the replacement for draft i comes from row i of target_probs, not row 0":
+        lambda p, q_row, i: torch.clamp(p[0] - q_row, min=0),
+}
+
+
+def _fits(counts: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Pearson's chi-square test at 0.999 over the tokens `expected` can give; any other token fails."""
+    live = expected > 0
+    if (counts[~live] > 0).any():
+        return False
+    dof = int(live.sum()) - 1
+    return dof < 1 or float(((counts[live] - expected[live]) ** 2 / expected[live]).sum()) <= CHI2_999[dof]
+
+
+def _worst_acceptance(trials, p, q, i: int, rule) -> tuple[float, int, int, int, float]:
+    """Over the draft values at position i: the largest |z| of the acceptance count against `rule`,
+    with that value's (token, tries, acceptances, expected acceptances)."""
+    worst = (0.0, -1, 0, 0, 0.0)
+    for x in range(p.shape[1]):
+        reached = [(draft, ratios, accepted) for draft, ratios, accepted in trials
+                   if accepted >= i and draft[i] == x]
+        chances = [rule(p, q, draft, i, ratios) for draft, ratios, _ in reached]
+        hits = sum(accepted > i for _, _, accepted in reached)
+        mean, var = sum(chances), sum(c * (1 - c) for c in chances)
+        z = abs(hits - mean) / math.sqrt(var) if var > 0 else (0.0 if abs(hits - mean) < 0.5 else math.inf)
+        if z > worst[0]:
+            worst = (z, x, len(reached), hits, mean)
+    return worst
+
+
+def _run_sampled(fn, g, p, draft_probs, draft_dist, trials):
+    """The student's verify_sampled on `trials` fresh drafts: per trial (draft, right ratios, drafts accepted),
+    and the counts of the token emitted after a rejection at each position (row k: the bonus tokens)."""
+    k, vocab = p.shape[0] - 1, p.shape[1]
+    sampler = draft_probs if draft_probs is not None else draft_dist
+    records, after = [], torch.zeros(k + 1, vocab)
+    for _ in range(trials):
+        draft = [int(torch.multinomial(sampler[i], 1, generator=g)) for i in range(k)]
+        tokens = _as_tokens(fn(p.clone(), list(draft), None if draft_probs is None else draft_probs.clone(), g),
+                            f"drafts {draft}")
+        # drafts accepted: the common prefix, less the last token when every token is a draft (a replacement
+        # that equals its draft, which the residual never draws)
+        accepted = next((i for i, (t, d) in enumerate(zip(tokens, draft, strict=False)) if t != d),
+                        min(len(tokens) - 1, k))
+        if len(tokens) != accepted + 1:
+            raise ExerciseFailed(f"drafts {draft} gave {tokens}: the step ends at the first rejection (one "
+                                 "replacement token, nothing after it), and k drafts give at most k + 1 tokens")
+        records.append((draft, [_ratio(p[i], _q_row(draft_probs, i, draft[i], vocab), draft[i]) for i in range(k)],
+                        accepted))
+        after[accepted, tokens[accepted]] += 1
+    return records, after
+
+
+def _check_acceptance(label, records, p, q, k):
+    """Each draft's acceptance count against min(1, p_i(x) / q_i(x)), naming a wrong rule that fits."""
+    right, *wrong = _ACCEPTANCE_RULES.items()
+    for i in range(k):
+        z, x, tries, hits, mean = _worst_acceptance(records, p, q, i, right[1])
+        if z <= Z_LIMIT:
+            continue
+        seen = f"{label}: draft {i} = token {x} was accepted {hits} times in {tries}, min(1, p/q) expects {mean:.0f}"
+        for why, rule in wrong:
+            if _worst_acceptance(records, p, q, i, rule)[0] <= Z_LIMIT:
+                raise ExerciseFailed(f"{seen}. The acceptance rule is wrong: {why}")
+        raise ExerciseFailed(f"{seen}. The acceptance rule is wrong: accept draft i with probability "
+                             "min(1, p_i(x) / q_i(x)), on its own uniform number")
+
+
+def _check_replacements(label, records, after, p, q, k):
+    """The tokens drawn after a rejection at each position, and the bonus tokens, against their distributions."""
+    right, *wrong = _REPLACEMENTS.items()
+    for i in range(k):
+        rejected = [draft[i] for draft, _, accepted in records if accepted == i]
+        if not rejected:
+            continue
+
+        def expected(rule, rejected=rejected, i=i):
+            rows = [rule[1](p, q(i, x), i) for x in rejected]
+            return sum(row / row.sum() for row in rows)
+        if _fits(after[i], expected(right)):
+            continue
+        seen = f"{label}: after rejecting draft {i} the tokens drawn were {after[i].int().tolist()}"
+        why = next((why for why, rule in wrong if _fits(after[i], expected((why, rule)))),
+                   "draw from normalize(max(0, p_i - q_i)), the rejected draft's own row")
+        raise ExerciseFailed(f"{seen}. The replacement step is wrong: {why}")
+    bonus = after[k]
+    if bonus.sum() and not _fits(bonus, p[k] * bonus.sum()):
+        raise ExerciseFailed(f"{label}: the bonus tokens {bonus.int().tolist()} do not follow the last row "
+                             f"{p[k].tolist()}: after all k drafts are accepted, draw from target_probs[k]")
 
 
 @exercise("14", "verify_sampled", forbidden=(_SPEC + "verify_sampled",))
@@ -150,24 +280,19 @@ def verify_sampled(ns):
         if got != [1]:
             raise ExerciseFailed(f"the target gives the draft probability 0, so it is always rejected and the "
                                  f"replacement comes from max(0, p - q), which is token 1; got {got}")
-    # The first emitted token must follow p, whatever q proposed.
-    for draft_probs, label in [(_Q, "a draft model's q"), (None, "a fixed guess (q one-hot on token 0)")]:
-        counts = torch.zeros(5)
-        for _ in range(1500):
-            guess = int(torch.multinomial(_Q[0], 1, generator=g)) if draft_probs is not None else 0
-            tokens = _as_tokens(fn(_P.clone(), [guess], None if draft_probs is None else draft_probs.clone(), g),
-                                "one draft")
-            if len(tokens) > 2:
-                raise ExerciseFailed(f"one draft yields at most 2 tokens (it and the bonus), got {tokens}")
-            counts[tokens[0]] += 1
-        if _chi_square(counts, _P[0]) > CHI2_4DOF_999:
-            if _chi_square(counts, _Q[0] if draft_probs is not None else torch.eye(5)[0] + 1e-9) < CHI2_4DOF_999:
-                raise ExerciseFailed(f"with {label}, the emitted tokens follow q, not p: accept a draft x only with "
-                                     "probability min(1, p(x) / q(x))")
-            raise ExerciseFailed(f"with {label}, the first emitted token is not distributed as p = {_P[0].tolist()} "
-                                 f"(counts {counts.int().tolist()} of 1500): after a rejection, draw from "
-                                 "normalize(max(0, p - q)), not from p or q")
-    return "accepted with min(1, p/q); rejections resampled from max(0, p - q); first tokens follow p"
+    # Then statistics, position by position: how often each draft is accepted (the acceptance rule), and
+    # what is drawn after a rejection (the replacement), two separate diagnoses.
+    for p, draft_probs, draft_dist, trials in _SAMPLED_CASES:
+        k, vocab = p.shape[0] - 1, p.shape[1]
+        label = f"{k} draft{'s' if k > 1 else ''} " + ("with a draft model's q" if draft_probs is not None
+                                                       else "from a deterministic drafter (q one-hot)")
+
+        def q(i, x, draft_probs=draft_probs, vocab=vocab):
+            return _q_row(draft_probs, i, x, vocab)
+        records, after = _run_sampled(fn, g, p, draft_probs, draft_dist, trials)
+        _check_acceptance(label, records, p, q, k)
+        _check_replacements(label, records, after, p, q, k)
+    return "each draft i accepted with min(1, p_i/q_i) on its own draw; a rejection resampled from max(0, p_i - q_i)"
 
 
 # ---- exercise 4: choosing k ------------------------------------------------------------------
