@@ -88,6 +88,30 @@ def train_recount(text, num_merges):
     return merges
 
 
+def train_without_early_stop(text, num_merges, *, pick="min"):
+    """The solution's loop without `if not counts: break`: it crashes once every piece is one token."""
+    pieces = Counter(tuple(piece.encode("utf-8")) for piece in pretokenize(text))
+    merges = {}
+    for step in range(num_merges):
+        counts = pair_counts_dict(pieces)
+        if pick == "min":
+            pair = min(counts, key=lambda p: (-counts[p], p))
+        else:
+            best = Counter(counts).most_common()
+            pair = min(p for p, c in best if c == best[0][1])
+        merges[pair] = 256 + step
+        pieces = Counter({tuple(merge_while(list(ids), pair, 256 + step)): n for ids, n in pieces.items()})
+    return merges
+
+
+def train_with_placeholder_merges(text, num_merges):
+    """Keeps going when no pair is left, recording a made-up pair to reach num_merges."""
+    merges = train_recount(text, num_merges)
+    while len(merges) < num_merges:
+        merges[(0, len(merges))] = 256 + len(merges)
+    return merges
+
+
 def train_by_word_counts(text, num_merges):
     words = Counter(tuple(piece.encode("utf-8")) for piece in pretokenize(text))
     merges = {}
@@ -289,6 +313,11 @@ WRONG = [
     Wrong("train_bpe", "returns a list of pairs", lambda text, n: [(1, 2)] * n, "return a dict"),
     Wrong("train_bpe", "new ids start at 257", train_off_by_one_ids, "new ids must be 256, 257"),
     Wrong("train_bpe", "one merge too few", train_one_merge_short, "asked for 40 merges, got 39"),
+    Wrong("train_bpe", "no early stop: min() of empty counts", train_without_early_stop, "stop early when the pair"),
+    Wrong("train_bpe", "no early stop: most_common() of empty counts", lambda text, n: train_without_early_stop(
+        text, n, pick="most_common"), "no pair is left"),
+    Wrong("train_bpe", "pads to num_merges with made-up pairs", train_with_placeholder_merges,
+          "should learn 5 merges and stop"),
     Wrong("train_bpe", "calls labkit's train", lambda text, n: {p: 256 + i for i, p in enumerate(
         train(text, 256 + n).merges)}, "`train`", calls="labkit.tokenizer.train"),
     Wrong("bpe_encode", "returns the raw UTF-8 bytes", lambda text, merges: list(text.encode()),

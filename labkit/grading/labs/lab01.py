@@ -4,7 +4,7 @@ import random
 from collections import Counter
 
 from labkit.data import JARGON_FILE, data_path
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
 from labkit.tokenizer import Tokenizer, merge_pair, pair_counts, pretokenize, train
 from labkit.tokenizer.bpe import learned_vocab
 
@@ -159,7 +159,8 @@ def train_bpe(ns):
     got = _merges_as_list(learned)
     expected = train(text, 256 + num_merges).merges
     if got == expected:
-        return f"learns the same {num_merges} merges as labkit.tokenizer.train"
+        _stops_when_pairs_run_out(fn)
+        return f"learns the same {num_merges} merges as labkit.tokenizer.train, and stops when no pair is left"
     if len(got) != num_merges:
         raise ExerciseFailed(f"asked for {num_merges} merges, got {len(got)}")
     if got == _train_without_pretokenizing(text, num_merges):
@@ -168,6 +169,24 @@ def train_bpe(ns):
     first_wrong = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
     raise ExerciseFailed(f"merge {first_wrong} (new id {256 + first_wrong}) should be {expected[first_wrong]}, got "
                          f"{got[first_wrong]}; the most frequent pair wins, ties going to the smaller pair")
+
+
+def _stops_when_pairs_run_out(fn):
+    """A short text has fewer merges to give than asked for: training must stop, not crash or invent pairs."""
+    text, asked = "hello hello hello", 20
+    expected = train(text, 256 + asked).merges
+    try:
+        got = fn(text, asked)
+    except Exception as error:
+        if raised_type(error) == "NotImplementedError":
+            raise
+        raise ExerciseFailed(f"train_bpe({text!r}, {asked}) raised {raised_type(error)}: after {len(expected)} "
+                             "merges every piece is one token and no pair is left; stop early when the pair "
+                             "counts are empty") from None
+    got = _merges_as_list(got)
+    if got != expected:
+        raise ExerciseFailed(f"train_bpe({text!r}, {asked}) should learn {len(expected)} merges and stop (no pair "
+                             f"is left after that), got {len(got)}")
 
 
 def _train_without_pretokenizing(text, num_merges):
