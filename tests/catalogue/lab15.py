@@ -182,6 +182,13 @@ def online_inverted_alpha(m, denom, acc, scores, values):
     return m_new, denom * alpha + p.sum(1), acc * alpha[:, None] + p @ values
 
 
+def online_inverted_alpha_raw(m, denom, acc, scores, values):
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    p = torch.exp(scores - m_new[:, None])
+    alpha = torch.exp(m_new - m)
+    return m_new, denom * alpha + p.sum(1), acc * alpha[:, None] + p @ values
+
+
 def online_normalised_acc(m, denom, acc, scores, values):
     m_new, denom_new, acc_new = online_update(m, denom * 0 + 1, acc, scores, values)
     m_new, denom_new, _ = online_update(m, denom, acc, scores, values)
@@ -284,8 +291,10 @@ WRONG = [
     Wrong("online_softmax_update", "no max subtracted", online_no_max, "exponentiate scores minus the running max"),
     Wrong("online_softmax_update", "the tile's max, not the running max", online_tile_max_only,
           "larger of the old running max"),
-    Wrong("online_softmax_update", "rescale factor inverted", online_inverted_alpha,
-          "denom was summed under the old max"),
+    Wrong("online_softmax_update", "rescale factor inverted, its inf guarded", online_inverted_alpha,
+          "the rescale factor is upside down"),
+    Wrong("online_softmax_update", "rescale factor inverted", online_inverted_alpha_raw,
+          "the rescale factor is upside down"),
     Wrong("online_softmax_update", "acc normalised every tile", online_normalised_acc, "keep it unnormalised"),
     Wrong("online_softmax_update", "calls torch.softmax", online_softmax_builtin, "torch.softmax",
           calls="torch.softmax"),

@@ -149,12 +149,33 @@ def _tiles(gen, rows, keys, dim, tile, scale, causal):
     return scores, v
 
 
+def _probe_rescale_factor(fn, gen):
+    """One update from a finite running state to a tile with a larger max: the only step where the factor
+    that carries the old sums over to the new max shows, so an inverted factor is named for what it is."""
+    m, denom = torch.tensor([0.5, -1.0], dtype=torch.float64), torch.tensor([2.0, 1.5], dtype=torch.float64)
+    acc = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    scores = torch.tensor([[1.0, 2.5, -0.5], [0.25, -2.0, 1.0]], dtype=torch.float64)
+    values = torch.randn(3, 3, generator=gen, dtype=torch.float64)
+    got = fn(m.clone(), denom.clone(), acc.clone(), scores.clone(), values.clone())
+    if not (isinstance(got, tuple | list) and len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got)):
+        return  # the main loop says what the return value must be
+    m_new = torch.maximum(m, scores.max(dim=1).values)
+    p = torch.exp(scores - m_new[:, None])
+    inverted = torch.exp(m_new - m)
+    if got[1].shape == denom.shape and torch.allclose(got[1], denom * inverted + p.sum(1)) or (
+            got[2].shape == acc.shape and torch.allclose(got[2], acc * inverted[:, None] + p @ values)):
+        raise ExerciseFailed("the rescale factor is upside down: the old sums were weighted by exp(s - m_old), "
+                             "and re-weighting them under the new, larger max multiplies by exp(m_old - m_new), "
+                             "at most 1, not exp(m_new - m_old)")
+
+
 @exercise("15", "online_softmax_update", forbidden=("torch.softmax", "torch.nn.functional.softmax",
                                                     "torch.Tensor.softmax",
                                                     "labkit.grading.labs.lab15.reference_online_update"))
 def online_softmax_update(ns):
     fn = require(ns, "online_softmax_update")
     gen = torch.Generator().manual_seed(115)
+    _probe_rescale_factor(fn, gen)
     # (rows, keys, head_dim, tile, score scale, causal): large scores overflow a softmax without the max
     for rows, keys, dim, tile, scale, causal in [(3, 12, 4, 4, 400.0, False), (2, 8, 4, 4, 1.0, False),
                                                  (3, 10, 5, 4, 1.0, True), (4, 16, 3, 16, 1.0, True),
