@@ -502,3 +502,101 @@ def test_the_labkit_command_names_its_subcommands(capsys):
     with pytest.raises(SystemExit) as exit_:
         labkit_main(["serve", "--help"])
     assert exit_.value.code == 0 and "--batching {continuous,static}" in capsys.readouterr().out
+
+
+# --- failing loudly -----------------------------------------------------------------------------------
+
+def fail_seeds(llm):
+    """Make sampling raise (inside the engine's per-request isolation) for a request seeded 666 at once,
+    and for one seeded 667 from its fourth token on."""
+    sample = llm.runner.sample
+
+    def failing(logits, seqs, eos):
+        if any(s.params.seed == 666 or (s.params.seed == 667 and s.num_output_tokens >= 3) for s in seqs):
+            raise RuntimeError(f"injected failure for seed {seqs[0].params.seed}")
+        return sample(logits, seqs, eos)
+    llm.runner.sample = failing
+
+
+def test_a_request_that_fails_in_the_engine_gets_a_500_in_openai_shape_counted_as_an_error(tiny_server):
+    server, llm = tiny_server
+    fail_seeds(llm)
+    try:
+        before = metrics(server).get('labkit_requests_total{finished_reason="error"}', 0)
+        c = client(server)
+        with pytest.raises(openai.InternalServerError) as raised:
+            c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, seed=666)
+        assert "injected failure for seed 666" in raised.value.message
+        response = post(server, "/v1/chat/completions", json.dumps({"messages": CHAT, "seed": 666, "n": 2}).encode())
+        assert assert_error(response, 500, None, "injected failure")["type"] == "server_error"
+        # Streamed, the status is already sent when the engine fails: the stream ends with an error event.
+        with pytest.raises(openai.APIError, match="injected failure"):
+            list(c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8, seed=667, stream=True,
+                                      extra_body={"ignore_eos": True}))
+        raw = post(server, "/v1/completions", json.dumps({"prompt": "Hi", "seed": 667, "stream": True,
+                                                          "ignore_eos": True}).encode())
+        events = [line[6:] for line in raw.text.splitlines() if line.startswith("data: ")]
+        assert raw.status_code == 200 and len(events) > 3 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["message"].endswith("injected failure for seed 667") and error["type"] == "server_error"
+        assert metrics(server)['labkit_requests_total{finished_reason="error"}'] == before + 4
+        assert c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, seed=1).usage.completion_tokens
+    finally:
+        del llm.runner.sample
+    assert_engine_idle(llm)
+
+
+def break_engine_after(llm, steps: int):
+    """Make `step()` raise outside the per-request isolation once `steps` steps have run."""
+    step, count = llm.step, [0]
+
+    def failing():
+        count[0] += 1
+        if count[0] > steps:
+            raise RuntimeError("injected engine failure")
+        return step()
+    llm.step = failing
+
+
+def test_an_engine_thread_that_dies_ends_every_stream_with_an_error_turns_health_red_and_stops_the_server():
+    llm = tiny_llm()
+    with no_leaked_threads(), serve(llm, limits=Limits(death_drain_s=1.0)) as server:
+        c = client(server)
+        assert httpx.get(server.url + "/health", trust_env=False).status_code == 200
+        break_engine_after(llm, 5)
+        stream = c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=500, stream=True,
+                                      extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="engine failed"):
+            list(stream)
+        health = httpx.get(server.url + "/health", trust_env=False)
+        assert health.status_code == 503 and "engine" in health.json()["status"]
+        assert_error(post(server, "/v1/completions", b'{"prompt": "Hi"}'), 503, None, "not running")
+        server.thread.join(timeout=30)  # after the drain the server stops by itself
+        assert server.engine_died and not server.thread.is_alive()
+
+
+def test_labkit_serve_exits_with_a_non_zero_status_when_its_engine_dies(tmp_path):
+    script = tmp_path / "serve_dying.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from serve_support import MODEL_NAME, tiny_llm\n"
+        "from labkit.serve.app import create_app\n"
+        "from labkit.serve.protocol import Limits\n"
+        "from labkit.serve.server import bind, run\n"
+        "llm = tiny_llm()\n"
+        "def broken(): raise RuntimeError('injected engine failure')\n"
+        "llm.step = broken\n"
+        "sys.exit(run(create_app(llm, MODEL_NAME, limits=Limits(death_drain_s=0.5)), bind()))\n")
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = child.stdout.readline().split("listening on ")[1].strip()
+        response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, trust_env=False,
+                              timeout=30)
+        assert response.status_code == 503 and "injected engine failure" in response.json()["error"]["message"]
+        assert child.wait(timeout=30) == 1
+        assert "injected engine failure" in child.stderr.read()  # the traceback is logged
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        child.stderr.close()

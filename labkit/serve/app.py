@@ -8,6 +8,7 @@ or while reading a chunked one), and a prompt before it is tokenized when its UT
 proves it longer than the token limit (no token is longer than the vocabulary's longest).
 """
 
+import asyncio
 import contextlib
 import json
 import time
@@ -23,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from labkit.engine import LLM
-from labkit.serve.engine_loop import EngineLoop, EngineStopped, QueueFull
+from labkit.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestFailed, log
 from labkit.serve.metrics import CONTENT_TYPE
 from labkit.serve.protocol import Limits, RequestError, parse_chat, parse_completion
 
@@ -37,9 +38,11 @@ def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limit
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
+        watcher = asyncio.create_task(_exit_if_engine_dies(app, engine, limits.death_drain_s))
         try:
             yield
         finally:
+            watcher.cancel()
             engine.stop()
 
     routes = [
@@ -49,9 +52,28 @@ def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limit
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
-    app.state.engine = engine
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.engine, app.state.limits = engine, limits
+    app.state.on_engine_death = None  # what runs the app sets it: how to stop serving
     return app
+
+
+async def _exit_if_engine_dies(app, engine: EngineLoop, drain_s: float) -> None:
+    """vLLM's rule: a dead engine ends the server, so a supervisor restarts it. Every open request has
+    had its error already; for `drain_s` more seconds /health says why, then the server stops and the
+    process exits with a non-zero status (`app.state.on_engine_death` does that)."""
+    await engine.died.wait()
+    await asyncio.sleep(drain_s)
+    if app.state.on_engine_death is not None:
+        app.state.on_engine_death()
+
+
+async def _server_error(request: Request, error: Exception) -> JSONResponse:
+    """Whatever escaped a route: still OpenAI's error JSON (the traceback goes to the log)."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return error_response(RequestError(f"internal server error: {type(error).__name__}", None, status=500,
+                                       type="server_error"))
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -195,7 +217,12 @@ class _Server:
 
     async def _whole(self, answer: "_Answer", deltas, prefix: str) -> Response:
         first = await _first_delta(deltas)
-        return first if isinstance(first, Response) else await answer.collect(first, deltas, prefix)
+        if isinstance(first, Response):
+            return first
+        try:
+            return await answer.collect(first, deltas, prefix)
+        except (EngineStopped, RequestFailed) as error:  # the engine died between two samples' ends
+            return error_response(_engine_error(error))
 
 
 async def _first_delta(deltas):
@@ -206,10 +233,16 @@ async def _first_delta(deltas):
     except QueueFull as error:
         return error_response(RequestError(f"server is busy: {error}", None, status=503, type="server_busy",
                                            code="queue_full"))
-    except EngineStopped as error:
-        return error_response(RequestError(str(error), None, status=503, type="server_error"))
+    except (EngineStopped, RequestFailed) as error:
+        return error_response(_engine_error(error))
     except ValueError as error:  # the engine refused it (e.g. it could never fit in the KV cache)
         return error_response(RequestError(str(error), "max_tokens"))
+
+
+def _engine_error(error: Exception) -> RequestError:
+    """A request the engine could not serve: 503 if it is not running, 500 if it failed on this one."""
+    status = 500 if isinstance(error, RequestFailed) else 503
+    return RequestError(str(error), None, status=status, type="server_error")
 
 
 class _Answer:
@@ -250,25 +283,35 @@ class _Answer:
         extra = {"usage": None} if self.include_usage else {}
         offsets, last = {}, {}  # per sample: where its next text starts; its final delta
         async with contextlib.aclosing(deltas):
-            async for delta in _chain(first, deltas):
-                i = delta.index
-                text = delta.text
-                if i not in offsets:
-                    if self.kind == "chat.completion":  # OpenAI's first chat chunk of a choice names the role
-                        yield _event(self._envelope(chunk_kind, [{
-                            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}]))
-                    offsets[i], text = 0, prefix + text
-                if text or delta.logprobs or delta.finish_reason is not None:
-                    choice = {"index": i, **self.choice(text, False, delta.logprobs, offsets[i]),
-                              "finish_reason": delta.finish_reason}
-                    yield _event(self._envelope(chunk_kind, [choice], **extra))
-                offsets[i] += len(text)
-                if delta.finish_reason is not None:
-                    last[i] = delta
+            try:
+                async for delta in _chain(first, deltas):
+                    for event in self._chunks(delta, prefix, chunk_kind, extra, offsets):
+                        yield event
+                    if delta.finish_reason is not None:
+                        last[delta.index] = delta
+            except (EngineStopped, RequestFailed) as error:  # too late for a status: an error event, as vLLM sends
+                yield _event(_engine_error(error).body())
+                yield "data: [DONE]\n\n"
+                return
         if self.include_usage:
             yield _event(self._envelope(chunk_kind, [], usage=_usage(last.values())))
         yield "data: [DONE]\n\n"
+
+    def _chunks(self, delta, prefix: str, chunk_kind: str, extra: dict, offsets: dict) -> list[str]:
+        """The events one delta makes: the role first if it starts a chat choice, then its text."""
+        events, i, text = [], delta.index, delta.text
+        if i not in offsets:
+            if self.kind == "chat.completion":  # OpenAI's first chat chunk of a choice names the role
+                events.append(_event(self._envelope(chunk_kind, [{
+                    "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}])))
+            offsets[i], text = 0, prefix + text
+        if text or delta.logprobs or delta.finish_reason is not None:
+            choice = {"index": i, **self.choice(text, False, delta.logprobs, offsets[i]),
+                      "finish_reason": delta.finish_reason}
+            events.append(_event(self._envelope(chunk_kind, [choice], **extra)))
+        offsets[i] += len(text)
+        return events
 
 
 async def _chain(first, rest):

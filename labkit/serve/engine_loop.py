@@ -17,6 +17,7 @@ until the whole running batch has drained, then up to `max_num_seqs` of them sta
 """
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from labkit.engine import LLM, FinishReason, RequestOutput
 from labkit.serve.metrics import ServerMetrics
 
 BATCHING_MODES = ("continuous", "static")
+log = logging.getLogger("labkit.serve")
 
 
 class QueueFull(Exception):
@@ -37,6 +39,10 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """The engine loop is not running (shut down, or it failed)."""
+
+
+class RequestFailed(Exception):
+    """The engine finished this request with reason ERROR (its step failed); the others went on."""
 
 
 @dataclass(frozen=True)
@@ -84,10 +90,12 @@ class EngineLoop:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
+        self.died: asyncio.Event | None = None  # set (on the event loop) if the engine thread failed
 
     # --- lifecycle (event-loop side) -------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.died = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="labkit-engine", daemon=True)
         self._thread.start()
 
@@ -158,9 +166,11 @@ class EngineLoop:
                     self.metrics.observe_engine(self.llm, self.num_waiting)
         except BaseException as error:  # noqa: BLE001 - every waiting client must hear of it
             self.error = error
-            raise
+            log.exception("the engine thread failed; every open request gets an error and the server exits")
         finally:
             self._shutdown()
+        if self.error is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.died.set)
 
     def _next_batch(self) -> bool:
         """Wait until there is work; take the inbox. False once stopping."""
@@ -235,10 +245,13 @@ class EngineLoop:
         request.sent[i], request.sent_tokens[i] = upto, tokens
         return delta
 
-    def _finish(self, request_id: str, request: _Request, out: RequestOutput) -> list[Delta]:
+    def _finish(self, request_id: str, request: _Request, out: RequestOutput) -> list:
         del self._requests[request_id], self._by_engine_id[out.request_id]
-        reason = _openai_reason(out.outputs[0])
+        failed = next((s for s in out.outputs if s.finish_reason is FinishReason.ERROR), None)
+        reason = "error" if failed else _openai_reason(out.outputs[0])
         self.metrics.finished(request.submitted_at, reason, out.metrics)  # before the client can hear of it
+        if failed is not None:
+            return [RequestFailed(f"the engine failed on this request: {failed.stop_reason}")]
         return [self._delta(request, sample, len(sample.text), finish_reason=_openai_reason(sample),
                             num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(sample.token_ids))
                 for sample in out.outputs]

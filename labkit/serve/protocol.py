@@ -69,6 +69,11 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # None: whatever max_model_len leaves room for
     max_waiting: int = 256  # requests queued but not yet running; more get 503
+    read_timeout_s: float = 10.0  # a request's headers and body must arrive within this
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 256  # open connections; a request beyond them gets 503 (uvicorn's limit_concurrency)
+    max_header_bytes: int = 16 * 1024  # a request's line and headers (h11's limit)
+    death_drain_s: float = 2.0  # after the engine thread died: /health says so this long, then the server exits
 
 
 @dataclass(frozen=True)

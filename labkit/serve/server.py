@@ -16,6 +16,7 @@ import urllib.request
 
 import torch
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from labkit.cache.kv_quant import KV_CACHE_DTYPES
 from labkit.engine import LLM
@@ -40,6 +41,52 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
+class _ReadDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on reading each request: its headers and body must
+    have arrived `read_timeout` seconds after the connection opened (or its previous answer ended),
+    or the connection is closed. uvicorn bounds idle keep-alive connections (timeout_keep_alive), the
+    header size (h11_max_incomplete_event_size) and connections (limit_concurrency), but not a
+    client that trickles its request in a byte at a time, or sends half of it and goes silent."""
+
+    read_timeout = 10.0  # set per server by `uvicorn_config`
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._read_deadline = self.loop.call_later(self.read_timeout, self._read_too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.more_body and self._read_deadline is not None:
+            self._read_deadline.cancel()  # the whole request is in
+            self._read_deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._read_deadline is None:  # the next request's clock
+            self._read_deadline = self.loop.call_later(self.read_timeout, self._read_too_slow)
+
+    def connection_lost(self, exc) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _read_too_slow(self) -> None:
+        self._read_deadline = None
+        if not self.transport.is_closing():
+            self.logger.info("closing a connection whose request took over %.0f s to arrive", self.read_timeout)
+            self.transport.close()
+
+
+def uvicorn_config(app, log_level: str = "warning") -> uvicorn.Config:
+    """What bounds a connection, from the app's `Limits`: uvicorn's own settings, and `_ReadDeadline`
+    for slow requests."""
+    limits = app.state.limits
+    protocol = type("ReadDeadline", (_ReadDeadline,), {"read_timeout": limits.read_timeout_s})
+    return uvicorn.Config(app, http=protocol, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
+                          timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections,
+                          h11_max_incomplete_event_size=limits.max_header_bytes, server_header=False)
+
+
 class ServerThread:
     """uvicorn in a background thread of this process, for tests:
 
@@ -49,12 +96,13 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         self.app, self.host, self.port = app, host, port
+        self.engine_died = False
 
     def __enter__(self) -> "ServerThread":
         self.sock = bind(self.host, self.port)
         self.url = url_of(self.sock)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(self.app))
+        self.app.state.on_engine_death = self._engine_died
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="labkit-serve", daemon=True)
         self.thread.start()
@@ -65,6 +113,9 @@ class ServerThread:
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)
         return self
+
+    def _engine_died(self) -> None:
+        self.engine_died = self.server.should_exit = True
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
@@ -195,10 +246,25 @@ def main(argv=None) -> None:
               kv_cache_dtype=args.kv_cache_dtype)
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_waiting)
     app = create_app(llm, args.served_model_name or args.model, batching=args.batching, limits=limits)
-    sock = bind(args.host, args.port)
+    sys.exit(run(app, bind(args.host, args.port)))
+
+
+def run(app, sock: socket.socket) -> int:
+    """Serve `app` on `sock` until stopped (SIGINT, SIGTERM) or its engine dies; the exit status:
+    0 after a stop, 1 after the engine died, so a supervisor restarts the server."""
+    server = uvicorn.Server(uvicorn_config(app, os.environ.get("LABKIT_LOG_LEVEL", "warning")))
+    died = []
+
+    def engine_died():
+        died.append(True)
+        server.should_exit = True
+
+    app.state.on_engine_death = engine_died
     print(f"{READY_LINE}{url_of(sock)}", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("LABKIT_LOG_LEVEL", "warning"),
-                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
+    if died:
+        print("labkit serve: the engine failed; exiting with status 1", file=sys.stderr, flush=True)
+    return 1 if died else 0
