@@ -66,15 +66,36 @@ def top_p_scatter(logits, top_p):
 
 
 def top_p_rows(logits, top_p):
-    out = torch.full_like(logits, NEG_INF)
-    for row, probs in enumerate(logits.softmax(-1)):
+    """A Python loop over the rows of a [batch, vocab] view (one row is a batch of one)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = torch.full_like(rows, NEG_INF)
+    for row, probs in enumerate(rows.softmax(-1)):
         total = 0.0
         for token in probs.argsort(descending=True).tolist():
-            out[row, token] = logits[row, token]
+            out[row, token] = rows[row, token]
             total += float(probs[token])
             if total >= top_p:
                 break
-    return out
+    return out.reshape(logits.shape)
+
+
+def top_p_sorted_mask(logits, top_p, *, back=None, sorted_result=False):
+    """Top-p whose sorted-order mask is not scattered back; `back` puts it somewhere, `sorted_result`
+    returns the sorted logits themselves."""
+    sorted_logits, order = logits.sort(-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    remove = probs.cumsum(-1) - probs >= top_p
+    if sorted_result:
+        return sorted_logits.masked_fill(remove, NEG_INF)
+    return logits.masked_fill(back(remove, order) if back else remove, NEG_INF)
+
+
+def top_p_batch_only(logits, top_p):
+    """Written for [batch, vocab] only: dim=1 fails on a single row."""
+    sorted_logits, order = logits.sort(1, descending=True)
+    probs = sorted_logits.softmax(1)
+    remove = probs.cumsum(1) - probs >= top_p
+    return logits.masked_fill(remove.scatter(1, order, remove), NEG_INF)
 
 
 def sample_multinomial(logits, temperature, generator):
@@ -123,22 +144,29 @@ def in_place_sample(logits, temperature, generator):
 
 def penalties_loop(logits, prompt_ids, output_ids, repetition, presence, frequency, *, divide_negative=False,
                    every_occurrence=False, output_only=False, prompt_counts=False, presence_once=False,
-                   add_presence=False, first_row=False):
+                   add_presence=False, first_row=False, subtract_first=False):
     """Row by row, token by token; the switches make typical mistakes."""
     out = logits.clone()
     for b, (prompt, output) in enumerate(zip(prompt_ids, output_ids, strict=True)):
         r = 0 if first_row else b
         seen = output if output_only else prompt + output
+        counted = prompt + output if prompt_counts else output
+        if subtract_first:
+            _subtract(out[b], counted, frequency[r], presence[r], presence_once, add_presence)
         for token in (seen if every_occurrence else set(seen)):
             if out[b, token] > 0 or divide_negative:
                 out[b, token] /= repetition[r]
             else:
                 out[b, token] *= repetition[r]
-        counted = prompt + output if prompt_counts else output
-        for token in set(counted):
-            out[b, token] -= frequency[r] * (1 if presence_once else counted.count(token))
-            out[b, token] += presence[r] if add_presence else -presence[r]
+        if not subtract_first:
+            _subtract(out[b], counted, frequency[r], presence[r], presence_once, add_presence)
     return out
+
+
+def _subtract(row, counted, frequency, presence, presence_once, add_presence):
+    for token in set(counted):
+        row[token] -= frequency * (1 if presence_once else counted.count(token))
+        row[token] += presence if add_presence else -presence
 
 
 def penalties_in_place(logits, *args):
@@ -208,6 +236,8 @@ WRONG = [
           "presence_penalty was added"),
     Wrong("apply_penalties", "first row's penalties everywhere", lambda *a: penalties_loop(*a, first_row=True),
           "first row's penalties"),
+    Wrong("apply_penalties", "frequency and presence before repetition", lambda *a: penalties_loop(
+        *a, subtract_first=True), "applied in the wrong order"),
     Wrong("apply_penalties", "penalizes in place", penalties_in_place, "changed its input logits in place"),
     Wrong("apply_penalties", "calls labkit's apply_penalties", lambda logits, p, o, r, pr, f: labkit_penalties(
         logits, *(torch.tensor([x + [-1] * (9 - len(x)) for x in rows]) for rows in (p, o)),
@@ -226,6 +256,10 @@ WRONG = [
         x.argsort(-1, descending=True).argsort(-1) >= k, NEG_INF), "keep every tied token"),
     Wrong("top_k_filter", "keeps the k smallest", lambda x, k: x.masked_fill(
         x > x.topk(k, -1, largest=False).values[..., -1:], NEG_INF), "kept the k smallest"),
+    Wrong("top_k_filter", "works on [batch, vocab] only (dim=1, [:, -1:])", lambda x, k: x.masked_fill(
+        x < x.topk(k, dim=1).values[:, -1:], NEG_INF), "one row [vocab]"),
+    Wrong("top_k_filter", "one threshold for the whole batch (values[-1])", lambda x, k: x.masked_fill(
+        x < x.topk(k).values[-1], NEG_INF), "each row has its own"),
     Wrong("top_k_filter", "calls labkit's filter_logits", lambda x, k: filter_logits(x, top_k=k),
           "`filter_logits`", calls="labkit.sampling.filter_logits"),
     Wrong("top_p_filter", "can remove every token", lambda x, p: x.masked_fill(x.softmax(-1) < 0, NEG_INF)
@@ -238,6 +272,16 @@ WRONG = [
           "returned unchanged"),
     Wrong("top_p_filter", "filters in place", lambda x, p: x.copy_(top_p_scatter(x, p)),
           "changed its input logits in place"),
+    Wrong("top_p_filter", "returns the sorted logits (no scatter back)", lambda x, p: top_p_sorted_mask(
+        x, p, sorted_result=True), "remove.scatter(-1, order, remove)"),
+    Wrong("top_p_filter", "applies the sorted-order mask to the unsorted logits", top_p_sorted_mask,
+          "left in sorted order"),
+    Wrong("top_p_filter", "gathers the mask with the order instead of scattering", lambda x, p: top_p_sorted_mask(
+        x, p, back=lambda remove, order: remove.gather(-1, order)), "remove.scatter(-1, order, remove)"),
+    Wrong("top_p_filter", "returns sorted-order probabilities", lambda x, p: (lambda s: s.softmax(-1).masked_fill(
+        s.softmax(-1).cumsum(-1) - s.softmax(-1) >= p, 0.0))(x.sort(-1, descending=True).values),
+          "left in sorted order"),
+    Wrong("top_p_filter", "works on [batch, vocab] only (dim=1)", top_p_batch_only, "one row [vocab]"),
     Wrong("top_p_filter", "calls labkit's filter_logits", lambda x, p: filter_logits(x, top_p=p),
           "`filter_logits`", calls="labkit.sampling.filter_logits"),
     Wrong("sample_next", "always the argmax", lambda x, t, g: int(x.argmax()), "every draw is the same token"),

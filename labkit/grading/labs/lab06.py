@@ -2,7 +2,7 @@
 
 import torch
 
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
 from labkit.grading.remote import RemoteError
 from labkit.sampling import apply_penalties as ref_apply_penalties
 from labkit.sampling import filter_logits
@@ -23,6 +23,23 @@ def _call_without_mutation(fn, logits, *args):
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         raise ExerciseFailed(f"expected a tensor of shape {tuple(logits.shape)}, got {shape}")
     return got
+
+
+def _filter(fn, logits, arg):
+    """The student's filter on `logits` ([vocab] or [batch, vocab]); an error names the shape it failed on."""
+    try:
+        return _call_without_mutation(fn, logits, arg)
+    except Exception as error:
+        if raised_type(error) not in ("RuntimeError", "IndexError", "ValueError", "TypeError"):
+            raise
+        shape = "one row [vocab] (as this lab's own cells call it)" if logits.dim() == 1 else "a batch [batch, vocab]"
+        raise ExerciseFailed(f"on {shape}, your function raised {raised_type(error)}: the filters take [vocab] and "
+                             "[batch, vocab] alike, so work along the last dimension (dim=-1, [..., -1:])") from None
+
+
+def _reference(logits, **setting):
+    """labkit's filter on [vocab] or [batch, vocab]."""
+    return filter_logits(logits[None], **setting)[0] if logits.dim() == 1 else filter_logits(logits, **setting)
 
 
 def _kept(logits: torch.Tensor) -> torch.Tensor:
@@ -99,48 +116,70 @@ def temperature_probs(ns):
 @exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k"))
 def top_k_filter(ns):
     fn = require(ns, "top_k_filter")
-    logits = _logits(2)
-    for k in (1, 3, 12):
-        got = _call_without_mutation(fn, logits, k)
-        expected = filter_logits(logits, top_k=k)
-        if (got == 0).any() and not (expected == 0).any():
-            raise ExerciseFailed("removed tokens were set to 0, which is still a likely logit: set them to -inf")
-        smallest = logits.masked_fill(~_kept(filter_logits(-logits, top_k=k)), float("-inf"))
-        if k < logits.shape[-1] and torch.equal(got, smallest):
-            raise ExerciseFailed(f"top_k={k} kept the k smallest logits: keep the k largest (topk's default)")
-        kept = _kept(got).sum(-1)
-        if (kept == k - 1).all() or (kept == k + 1).all():
-            raise ExerciseFailed(f"top_k={k} kept {int(kept[0])} tokens per row: an off-by-one at the k-th largest")
-        if not torch.equal(got, expected):
-            raise ExerciseFailed(f"top_k={k}: each row must keep its k largest logits unchanged and set "
-                                 "the rest to -inf")
+    batch = _logits(2)
+    for logits in (batch, batch[1]):  # a batch, then one row
+        for k in (1, 3, 12):
+            got = _filter(fn, logits, k)
+            expected = _reference(logits, top_k=k)
+            if (got == 0).any() and not (expected == 0).any():
+                raise ExerciseFailed("removed tokens were set to 0, which is still a likely logit: set them to -inf")
+            smallest = logits.masked_fill(~_kept(_reference(-logits, top_k=k)), float("-inf"))
+            if k < logits.shape[-1] and torch.equal(got, smallest):
+                raise ExerciseFailed(f"top_k={k} kept the k smallest logits: keep the k largest (topk's default)")
+            kept = _kept(got).sum(-1)
+            if (kept == k - 1).all() or (kept == k + 1).all():
+                raise ExerciseFailed(f"top_k={k} kept {int(kept.flatten()[0])} tokens per row: an off-by-one at "
+                                     "the k-th largest")
+            if logits.dim() == 2 and torch.equal(got, logits.masked_fill(logits < logits.topk(k).values[-1:, -1:],
+                                                                        float("-inf"))):
+                raise ExerciseFailed(f"top_k={k}: every row was cut at the last row's k-th largest logit: each row "
+                                     "has its own (topk(k, dim=-1).values[..., -1:])")
+            if not torch.equal(got, expected):
+                raise ExerciseFailed(f"top_k={k}: each row must keep its k largest logits unchanged and set "
+                                     "the rest to -inf")
     tied = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
-    if not torch.equal(_call_without_mutation(fn, tied, 2), filter_logits(tied, top_k=2)):
+    if not torch.equal(_filter(fn, tied, 2), filter_logits(tied, top_k=2)):
         raise ExerciseFailed("with a tie at the k-th largest logit, keep every tied token "
                              "(compare with the k-th largest value, as transformers does)")
-    return "keeps each row's k largest logits (ties included), the rest -inf"
+    return "keeps each row's k largest logits (ties included), the rest -inf, on [vocab] and [batch, vocab]"
+
+
+def _unscattered(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
+    """What a top-p that never puts its sorted-order mask back in vocabulary order returns."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    remove = probs.cumsum(-1) - probs >= top_p
+    inf = float("-inf")
+    return (logits.masked_fill(remove, inf), logits.masked_fill(remove.gather(-1, order), inf),
+            sorted_logits.masked_fill(remove, inf), probs.masked_fill(remove, 0.0), probs.masked_fill(remove, inf))
 
 
 @exercise("06", "top_p_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_p"))
 def top_p_filter(ns):
     fn = require(ns, "top_p_filter")
-    logits = _logits(3)
-    for top_p in (0.3, 0.7, 0.95):
-        got = _call_without_mutation(fn, logits, top_p)
-        expected = filter_logits(logits, top_p=top_p)
-        if not _kept(got).any(-1).all():
-            raise ExerciseFailed("a row lost every token: the most likely token must always survive")
-        probs = logits.softmax(-1)
-        kept_mass = torch.where(_kept(got), probs, 0).sum(-1)
-        if (kept_mass < top_p - 1e-6).any():
-            raise ExerciseFailed(f"top_p={top_p}: the kept tokens hold less than top_p of the probability; "
-                                 "keep the token that crosses the threshold too")
-        if not torch.equal(_kept(got), _kept(expected)):
-            raise ExerciseFailed(f"top_p={top_p}: keep the smallest set of most likely tokens whose probability "
-                                 "reaches top_p (sort descending, cumulative sum)")
-        if not torch.equal(got, expected):
+    batch = _logits(3)
+    for logits in (batch, batch[2]):  # a batch, then one row
+        for top_p in (0.3, 0.7, 0.95):
+            got = _filter(fn, logits, top_p)
+            expected = _reference(logits, top_p=top_p)
+            if torch.equal(got, expected):
+                continue
+            if any(torch.allclose(got, wrong, atol=1e-6) for wrong in _unscattered(logits, top_p)):
+                raise ExerciseFailed(f"top_p={top_p}: the mask (or the result) was left in sorted order: sorting "
+                                     "permutes the tokens, so put the mask back in vocabulary order with "
+                                     "remove.scatter(-1, order, remove) before applying it to logits")
+            if not _kept(got).any(-1).all():
+                raise ExerciseFailed("a row lost every token: the most likely token must always survive")
+            probs = logits.softmax(-1)
+            kept_mass = torch.where(_kept(got), probs, 0).sum(-1)
+            if (kept_mass < top_p - 1e-6).any():
+                raise ExerciseFailed(f"top_p={top_p}: the kept tokens hold less than top_p of the probability; "
+                                     "keep the token that crosses the threshold too")
+            if not torch.equal(_kept(got), _kept(expected)):
+                raise ExerciseFailed(f"top_p={top_p}: keep the smallest set of most likely tokens whose "
+                                     "probability reaches top_p (sort descending, cumulative sum)")
             raise ExerciseFailed("the kept logits must be returned unchanged (and the removed ones set to -inf)")
-    return "keeps the smallest most-likely set reaching top_p"
+    return "keeps the smallest most-likely set reaching top_p, in vocabulary order, on [vocab] and [batch, vocab]"
 
 
 @exercise("06", "sample_next", forbidden=(*_FILTER_LOGITS, *_SAMPLER, "labkit.sampling.filters.apply_temperature",
@@ -189,25 +228,31 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, *, negative="multiply",
                per_occurrence=False, repetition_from="both", counted_from="output", frequency_counts=True,
-               rows="own", presence_sign=-1):
+               rows="own", presence_sign=-1, order="repetition_first"):
     """Each row's penalties applied with loops, the readable way; the switches make typical mistakes."""
     out = logits.clone()
     for b in range(len(out)):
         r = 0 if rows == "first" else b
         history = {"both": prompt_ids[b] + output_ids[b], "output": output_ids[b]}[repetition_from]
         generated = {"output": output_ids[b], "both": prompt_ids[b] + output_ids[b]}[counted_from]
-        for token in set(history):
-            times = history.count(token) if per_occurrence else 1
-            for _ in range(times):
-                positive = out[b, token] > 0
-                if positive or negative == "divide":
-                    out[b, token] = out[b, token] / repetition[r]
-                else:
-                    out[b, token] = out[b, token] * repetition[r]
-        for token in set(generated):
-            count = generated.count(token) if frequency_counts else 1
-            out[b, token] -= frequency[r] * count
-            out[b, token] += presence_sign * presence[r]
+
+        def repeat(b=b, r=r, history=history):
+            for token in set(history):
+                for _ in range(history.count(token) if per_occurrence else 1):
+                    if out[b, token] > 0 or negative == "divide":
+                        out[b, token] = out[b, token] / repetition[r]
+                    else:
+                        out[b, token] = out[b, token] * repetition[r]
+
+        def subtract(b=b, r=r, generated=generated):
+            for token in set(generated):
+                count = generated.count(token) if frequency_counts else 1
+                out[b, token] -= frequency[r] * count
+                out[b, token] += presence_sign * presence[r]
+
+        steps = (repeat, subtract) if order == "repetition_first" else (subtract, repeat)
+        for step in steps:
+            step()
     return out
 
 
@@ -224,6 +269,8 @@ _PENALTY_MISTAKES = (
                                    "occurrence (times the count)"),
     (dict(presence_sign=1), "presence_penalty was added: subtract it, so that a positive penalty discourages"),
     (dict(rows="first"), "every row used the first row's penalties: each request brings its own"),
+    (dict(order="subtract_first"), "the penalties were applied in the wrong order: repetition_penalty first, on "
+                                   "the raw logits (its sign test reads them), then subtract frequency and presence"),
 )
 
 
