@@ -18,11 +18,14 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import MODEL_NAME, assert_engine_idle, server_threads, tiny_llm, wait_until
 
 from labkit.__main__ import main as labkit_main
 from labkit.sampling import SamplingParams
+from labkit.serve import protocol
 from labkit.serve.app import create_app
 from labkit.serve.protocol import Limits
 from labkit.serve.server import ServerThread
@@ -600,3 +603,60 @@ def test_labkit_serve_exits_with_a_non_zero_status_when_its_engine_dies(tmp_path
         child.wait()
         child.stdout.close()
         child.stderr.close()
+
+
+# --- every input answered in OpenAI's error JSON ---------------------------------------------------------
+
+HOSTILE_BODIES = {
+    "lone surrogate in a prompt": b'{"prompt": "abc\\ud800def", "max_tokens": 2}',
+    "lone surrogate in chat content": b'{"messages": [{"role": "user", "content": "abc\\udfffdef"}]}',
+    "lone surrogate in a content part": b'{"messages": [{"role": "user", "content": '
+                                        b'[{"type": "text", "text": "\\ud83d"}]}]}',
+    "nesting 100k levels deep": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "a 4,301-digit max_tokens": b'{"prompt": "Hi", "max_tokens": 1' + b"0" * 4300 + b"}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_BODIES))
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hostile_json_gets_an_openai_error_not_a_plain_500(tiny_server, case, path):
+    server, _ = tiny_server
+    error = assert_error(post(server, path, HOSTILE_BODIES[case]), 400, None)
+    assert error["type"] == "invalid_request_error"
+    # (The official client cannot send any of these: its own json.dumps refuses them.)
+    assert httpx.get(server.url + "/health", trust_env=False).status_code == 200
+
+
+TEXT = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates included
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats() | TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
+FIELDS = sorted(set(protocol.SAMPLING_FIELDS) | protocol.COMPLETION_FIELDS | protocol.CHAT_FIELDS
+                | set(protocol.UNSUPPORTED) | protocol.IGNORED)
+BODIES = st.dictionaries(st.sampled_from(FIELDS) | TEXT, JSON_VALUES, max_size=6)
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(protocol.CHAT_ROLES) | JSON_VALUES,
+                                           "content": TEXT | JSON_VALUES}), max_size=3) | JSON_VALUES
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=BODIES, prompt=TEXT | st.lists(st.integers(-5, 50_000), max_size=5) | JSON_VALUES, messages=MESSAGES,
+       chat=st.booleans())
+def test_fuzzed_requests_are_answered_or_refused_in_openai_shape_never_a_server_error(tiny_server, body, prompt,
+                                                                                      messages, chat):
+    """Any body over the request schemas' fields (each value any JSON, surrogates and NaN included)
+    gets a 200 or a 4xx in OpenAI's error shape: never a 500, and the engine is left idle."""
+    server, llm = tiny_server
+    body = {**body, ("messages" if chat else "prompt"): messages if chat else prompt}
+    body.setdefault("max_tokens", 3)  # a valid request stays quick
+    data = json.dumps(body, allow_nan=True).encode()  # surrogates go out as \ud800 escapes
+    response = post(server, "/v1/chat/completions" if chat else "/v1/completions", data)
+    if response.status_code == 200:
+        if response.headers["content-type"].startswith("text/event-stream"):
+            assert response.text.rstrip().endswith("data: [DONE]") and '"error"' not in response.text
+        else:
+            assert response.json()["choices"]
+    else:
+        assert 400 <= response.status_code < 500, response.text
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert_engine_idle(llm)

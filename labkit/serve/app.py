@@ -26,7 +26,7 @@ from starlette.routing import Route
 from labkit.engine import LLM
 from labkit.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestFailed, log
 from labkit.serve.metrics import CONTENT_TYPE
-from labkit.serve.protocol import Limits, RequestError, parse_chat, parse_completion
+from labkit.serve.protocol import Limits, RequestError, parse_chat, parse_completion, parse_json
 
 
 def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limits: Limits | None = None) -> Starlette:
@@ -161,13 +161,7 @@ class _Server:
                     raise too_large
         except ClientDisconnect:
             raise RequestError("the client went away while sending its body", None) from None
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise RequestError(f"request body is not valid JSON: {error}", None) from None
-        if not isinstance(data, dict):
-            raise RequestError("request body must be a JSON object", None)
-        return data
+        return parse_json(bytes(body))
 
     async def _tokenize(self, text: str, param: str) -> list[int]:
         # No token is longer than the longest in the vocabulary, so this size alone proves it too long.

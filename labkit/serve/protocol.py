@@ -13,6 +13,7 @@ reads in one place and growing it (when the engine learns a new field) is a one-
 Anything else is refused as OpenAI does: "Unrecognized request argument supplied: <name>".
 """
 
+import json
 from dataclasses import dataclass, replace
 
 from labkit.sampling import SamplingParams
@@ -74,6 +75,26 @@ class Limits:
     max_connections: int = 256  # open connections; a request beyond them gets 503 (uvicorn's limit_concurrency)
     max_header_bytes: int = 16 * 1024  # a request's line and headers (h11's limit)
     death_drain_s: float = 2.0  # after the engine thread died: /health says so this long, then the server exits
+
+
+def parse_json(body: bytes) -> dict:
+    """A request body as a JSON object, or a RequestError saying why not. Python's parser takes more than
+    the JSON a tokenizer can read, so it is checked here: a lone surrogate escape ("\\ud800") parses into
+    a str no UTF-8 codec encodes, nesting deeper than the interpreter's recursion limit raises
+    RecursionError, and an integer of over 4,300 digits ValueError."""
+    try:
+        data = json.loads(body)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise RequestError("request body is nested too deeply", None) from None
+    except UnicodeEncodeError as error:
+        raise RequestError(f"request body holds a lone surrogate escape ({error.object[error.start]!r}), "
+                           "which is not Unicode text", None) from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer too long to convert
+        raise RequestError(f"request body is not valid JSON: {error}", None) from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object", None)
+    return data
 
 
 @dataclass(frozen=True)
