@@ -234,7 +234,8 @@ def swiglu_split_weights(x, gate_up, down):
 
 
 def layer_answer(*, attn_residual=True, mlp_residual=True, post_norm=False, one_norm=False, rotate_k=True,
-                 rotate_v=False, o_proj=True, hidden_widths=False, positions_from_zero=False):
+                 rotate_v=False, o_proj=True, hidden_widths=False, positions_from_zero=False,
+                 head_dim_from_hidden=False, out_to_hidden=False, square_o=False):
     def norm(x, w, eps):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -247,6 +248,8 @@ def layer_answer(*, attn_residual=True, mlp_residual=True, post_norm=False, one_
 
     def decoder_layer(x, positions, weights, cache, config):
         n, hq, hkv, d = x.shape[0], config["num_heads"], config["num_kv_heads"], config["head_dim"]
+        if head_dim_from_hidden:
+            d = x.shape[1] // hq
         if positions_from_zero:
             positions = torch.arange(n)
         h = x if post_norm else norm(x, weights["input_norm"], config["eps"])
@@ -262,8 +265,10 @@ def layer_answer(*, attn_residual=True, mlp_residual=True, post_norm=False, one_
         total = keys.shape[1]
         scores = q.transpose(0, 1) @ keys.transpose(1, 2) / d**0.5
         allowed = torch.ones(n, total, dtype=torch.bool).tril(total - n)
-        out = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1).reshape(n, -1)
-        out = out @ weights["o"].T if o_proj else out
+        out = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+        out = out.reshape(n, x.shape[1] if out_to_hidden else -1)
+        o = weights["o"].reshape(x.shape[1], x.shape[1]) if square_o else weights["o"]
+        out = out @ o.T if o_proj else out
         x = x + out if attn_residual else out
         if post_norm:
             x = norm(x, weights["input_norm"], config["eps"])
@@ -326,6 +331,12 @@ WRONG += [
     Wrong("decoder_layer", "no output projection", layer_answer(o_proj=False), "output projection o was left out"),
     Wrong("decoder_layer", "every step rotated from position 0", layer_answer(positions_from_zero=True),
           "prefill is right but later steps are not"),
+    Wrong("decoder_layer", "head_dim derived as hidden / num_heads", layer_answer(head_dim_from_hidden=True),
+          "never hidden / num_heads"),
+    Wrong("decoder_layer", "heads' output reshaped to the hidden size", layer_answer(out_to_hidden=True),
+          "num_heads * head_dim wide"),
+    Wrong("decoder_layer", "O projection as (H, H) (nano-vLLM walk-through)", layer_answer(square_o=True),
+          "not 32 / 4 = 8"),
     Wrong("decoder_layer", "QKV widths with H for head_dim (nano-vLLM walk-through)",
           layer_answer(hidden_widths=True), "split it with head_dim, not the hidden size"),
 ]

@@ -245,14 +245,15 @@ def swiglu_mlp(ns):
 # ---- a whole decoder layer -----------------------------------------------------------------------------
 
 _LAYER_CONFIG = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 8, "rope_theta": 100000.0, "eps": 1e-5}
+# Qwen3-0.6B's proportions: 16 heads of 128 on a 1024-wide stream, so the heads are twice the hidden size
+_WIDE_HEADS_CONFIG = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "rope_theta": 1000000.0, "eps": 1e-6}
 _LAYER_STEPS = (5, 2, 1, 1)  # a prefill of 5, a chunk of 2, two decode steps
 
 
-def _layer_weights(seed):
-    """Random weights for a small layer of SmolLM2's shape (6/2 heads, width = heads * head_dim, MLP 8/3 wide),
-    in labkit's DecoderLayer and merged as the exercise takes them."""
-    cfg = _LAYER_CONFIG
-    hidden = cfg["num_heads"] * cfg["head_dim"]
+def _layer_weights(seed, cfg=_LAYER_CONFIG, hidden=None):
+    """Random weights for a small layer (SmolLM2's shape by default: 6/2 heads, width = heads * head_dim, MLP
+    8/3 wide), in labkit's DecoderLayer and merged as the exercise takes them."""
+    hidden = hidden or cfg["num_heads"] * cfg["head_dim"]
     config = ModelConfig("llama", 10, hidden, hidden * 8 // 3, 1, cfg["num_heads"], cfg["num_kv_heads"],
                          cfg["head_dim"], 64, cfg["eps"], cfg["rope_theta"], True)
     layer = DecoderLayer(config, 0)
@@ -294,29 +295,17 @@ def _layer(x, w, cfg, *, attn_residual=True, mlp_residual=True, post_norm=False,
     return _rms(x, w["post_norm"], cfg["eps"]) if post_norm else x
 
 
-@exercise("05", "decoder_layer", forbidden=(*_LAYER_FORWARDS, "labkit.grading.labs.lab05._layer"))
-def decoder_layer(ns):
-    fn = require(ns, "decoder_layer")
-    cfg = _LAYER_CONFIG
-    layer, w = _layer_weights(54)
-    hidden, hkv, d = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"], cfg["head_dim"]
-    x = torch.randn(sum(_LAYER_STEPS), hidden, generator=torch.Generator().manual_seed(55))
+def _run_layer(fn, layer, w, cfg, x):
+    """The student's layer over _LAYER_STEPS of `x`, step by step with its own cache, and labkit's on the same
+    weights: (got, expected)."""
+    hidden, hkv, d = x.shape[1], cfg["num_kv_heads"], cfg["head_dim"]
     cache, labkit_cache = {"k": torch.empty(hkv, 0, d), "v": torch.empty(hkv, 0, d)}, KVCache(1)
     outs, expected, start = [], [], 0
     for n in _LAYER_STEPS:
         positions = torch.arange(start, start + n)
         step = x[start:start + n]
-        try:
-            out = fn(step.clone(), positions, dict(w), cache, dict(cfg))
-        except ExerciseFailed:
-            raise
-        except Exception as error:
-            if "split" in str(error) or "shape" in str(error):
-                raise ExerciseFailed(f"{raised_type(error)} on the merged qkv "
-                                     f"weight ({w['qkv'].shape[0]} rows): it is (num_heads + 2 * num_kv_heads) * "
-                                     "head_dim wide, so split it with head_dim, not the hidden size") from None
-            raise
-        out = expect_tensor(out, (n, hidden), f"the layer's output for {n} new tokens [n, hidden]")
+        out = expect_tensor(fn(step.clone(), positions, dict(w), cache, dict(cfg)), (n, hidden),
+                            f"the layer's output for {n} new tokens [n, hidden]")
         stored = cache.get("k")
         if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != (hkv, start + n, d):
             raise ExerciseFailed(f"after {start + n} tokens the cache should hold [{hkv}, {start + n}, {d}] keys: "
@@ -326,9 +315,33 @@ def decoder_layer(ns):
             expected.append(layer(step, cos, sin, step_metadata(1, n, start, "cpu"), labkit_cache))
         outs.append(out)
         start += n
-    got, expected = torch.cat(outs), torch.cat(expected)
-    if _close(got, expected, atol=1e-4):
-        return "norm, merged QKV split by head_dim, rotary, cached attention, o_proj, SwiGLU, both residuals"
+    return torch.cat(outs), torch.cat(expected)
+
+
+@exercise("05", "decoder_layer", forbidden=(*_LAYER_FORWARDS, "labkit.grading.labs.lab05._layer"))
+def decoder_layer(ns):
+    fn = require(ns, "decoder_layer")
+    cfg = _LAYER_CONFIG
+    layer, w = _layer_weights(54)
+    x = torch.randn(sum(_LAYER_STEPS), cfg["num_heads"] * cfg["head_dim"], generator=torch.Generator().manual_seed(55))
+    try:
+        got, expected = _run_layer(fn, layer, w, cfg, x)
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        if "split" in str(error) or "shape" in str(error):
+            raise ExerciseFailed(f"{raised_type(error)} on the merged qkv "
+                                 f"weight ({w['qkv'].shape[0]} rows): it is (num_heads + 2 * num_kv_heads) * "
+                                 "head_dim wide, so split it with head_dim, not the hidden size") from None
+        raise
+    if not _close(got, expected, atol=1e-4):
+        _name_layer_mistake(got, expected, x, w, cfg)
+    _wide_heads(fn)
+    return ("norm, merged QKV split by head_dim, rotary, cached attention, o_proj, SwiGLU, both residuals; "
+            "also where heads are wider than the hidden size")
+
+
+def _name_layer_mistake(got, expected, x, w, cfg):
     mistakes = (
         ({"attn_residual": False}, "the attention's residual is missing: x = x + attention(norm(x))"),
         ({"mlp_residual": False}, "the MLP's residual is missing: x = x + mlp(norm(x))"),
@@ -349,6 +362,26 @@ def decoder_layer(ns):
     raise ExerciseFailed("the output differs from labkit's DecoderLayer on the same weights "
                          f"(max abs diff {(got - expected).abs().max():.3g}); split qkv into "
                          "[num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim] columns")
+
+
+def _wide_heads(fn):
+    """Right on SmolLM2's shape; now a layer whose heads are not hidden / num_heads wide (Qwen3-0.6B's case)."""
+    cfg, hidden = _WIDE_HEADS_CONFIG, 32
+    layer, w = _layer_weights(56, cfg, hidden)
+    x = torch.randn(sum(_LAYER_STEPS), hidden, generator=torch.Generator().manual_seed(57))
+    why = (f"with hidden {hidden}, {cfg['num_heads']} heads of head_dim {cfg['head_dim']} (not {hidden} / "
+           f"{cfg['num_heads']} = {hidden // cfg['num_heads']}: Qwen3-0.6B has 16 heads of 128 on a 1024-wide "
+           "stream)")
+    try:
+        got, expected = _run_layer(fn, layer, w, cfg, x)
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        raise ExerciseFailed(f"your layer raised {raised_type(error)} {why}: take head_dim from config, never hidden / num_heads; "
+                             "the heads' output is num_heads * head_dim wide, and o maps it back to hidden") from None
+    if not _close(got, expected, atol=1e-4):
+        raise ExerciseFailed(f"right when hidden = num_heads * head_dim, wrong {why}: take head_dim from config, "
+                             "never hidden / num_heads")
 
 
 @exercise("05", "knowledge_check")
