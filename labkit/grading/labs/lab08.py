@@ -1,188 +1,263 @@
 """Lab 08: Triton kernels — a tiled row softmax, store K/V into slots, paged decode with online softmax,
 and paged varlen prefill checked against torch's scaled_dot_product_attention.
 
-The student's kernels run wherever the notebook runs them: compiled on CUDA, or in the Triton
-interpreter on a CPU (the notebook sets TRITON_INTERPRET=1 before importing triton).
+The graders launch the student's kernels themselves (the `@triton.jit` function each `*_kernel()` factory
+returns), with their own grids and inputs, on several shapes (GQA groups, block sizes, head dims, ragged
+lengths) in fp32, fp16 and bf16: a torch wrapper around an unwritten kernel grades nothing. Under `make check`
+the launch runs in the student's kernel (`kernel[grid](...)` on a proxy, see labkit.grading.remote) and only
+the output tensors come back; on a CPU the student's notebook has switched on Triton's interpreter.
 """
 
 import torch
 import torch.nn.functional as F
 
-from labkit.attention.reference import paged_decode_attention, random_paged_inputs
+from labkit.attention.reference import random_paged_inputs
 from labkit.cache.paged_storage import store_kv
 from labkit.device import pick_device
-from labkit.grading import ExerciseFailed, exercise, require
-from labkit.grading.labs.lab00 import FORBIDDEN as SOFTMAX_CALLS
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
+from labkit.grading.codec import Handle
+
+# |got - want| <= atol + rtol * |want| against fp32 arithmetic on the same (rounded) inputs: what rounding the
+# output to its dtype costs (the same bounds labkit's kernel meets, section 6 of the lab)
+TOLERANCE = {torch.float32: (1e-5, 2e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 8e-3)}
+NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+OWN_KERNELS = ("labkit.attention.triton_kernels._kernels",)  # labkit's kernels: its answer to these exercises
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    rtol, atol = TOLERANCE[dtype]
+    return torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+def _kernel(ns, factory: str):
+    """The kernel `factory()` returns; a Triton kernel's type derives from triton's KernelInterface (in the
+    student's kernel, its agent refuses to launch anything else)."""
+    kernel = require(ns, factory)()
+    if isinstance(kernel, Handle) or any(c.__name__ == "KernelInterface" and c.__module__.startswith("triton.")
+                                         for c in type(kernel).__mro__):
+        return kernel
+    raise ExerciseFailed(_not_a_kernel(factory, type(kernel).__name__))
+
+
+def _not_a_kernel(factory: str, type_name: str) -> str:
+    return (f"`{factory}()` returned a {type_name}, not a Triton kernel: it must return the @triton.jit function "
+            "itself, which the grader launches with its own grid and inputs (a torch wrapper is not graded)")
+
+
+def _launch(kernel, factory: str, case: str, grid: tuple, *args, **constexprs) -> None:
+    """kernel[grid](*args, **constexprs); a failure becomes feedback that says what to change."""
+    try:
+        kernel[grid](*args, **constexprs)
+    except (ExerciseFailed, NotImplementedError):
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the student's kernel raised
+        raise ExerciseFailed(_launch_failure(factory, case, raised_type(error), str(error))) from None
+
+
+def _launch_failure(factory: str, case: str, type_name: str, message: str) -> str:
+    if "is not a Triton kernel" in message:
+        return _not_a_kernel(factory, message.split()[1])
+    if "mask has unsupported dtype" in message:
+        return ("Triton's interpreter cannot use a mask made by `&` of a block of lanes and a scalar condition, "
+                "such as `(offs < ROW) & (slot >= 0)`: put the scalar condition into the bound instead, "
+                "`offs < tl.where(slot >= 0, ROW, 0)` (every lane off when the condition is false)")
+    if "Expected dtype ['fp32', 'fp64']" in message:
+        return (f"on {case}: tl.exp and Triton's other math functions take fp32, and the caches here are not: "
+                "convert what you load with .to(tl.float32), compute in fp32, and store (the store converts "
+                "back to the output's dtype)")
+    if type_name == "TypeError" and ("argument" in message or "positional" in message):
+        return (f"the grader could not launch your kernel ({message.splitlines()[0][:200]}): keep the signature "
+                f"the exercise gives for `{factory}`, parameter names and constexprs included")
+    first = (message.strip().splitlines() or [""])[0][:300]
+    return f"your kernel raised {type_name} on {case}: {first}"
+
+
+def _precision_failure(dtypes) -> str:
+    names = " and ".join(NAME[d] for d in dtypes)
+    return (f"right in fp32, wrong in {names}: compute in fp32 (convert each load with .to(tl.float32), keep the "
+            "max, the sum and the accumulator in fp32) and convert only when storing; bf16 keeps only 8 bits of "
+            "mantissa, and Triton's CPU interpreter cannot do arithmetic in bf16 at all")
 
 
 def _device():
     return pick_device()
 
 
-def _softmax_inputs(dev):
-    """A narrow batch (fits any tile) and a vocabulary-wide one: several tiles and a partial last one,
-    a row of huge logits (exp overflows without the max) and a row with filtered (-inf) logits."""
+# --- softmax over rows wider than a tile ---------------------------------------------------------------------
+
+def _softmax_cases(dev):
+    """(x, BLOCK): a narrow batch (fits any tile); a vocabulary-wide one, several tiles and a partial last one,
+    with a row of huge logits (exp overflows without the max) and a row of filtered (-inf) logits; rows an exact
+    number of tiles; the wide one again in fp16 and bf16."""
     g = torch.Generator().manual_seed(81)
     narrow = torch.randn(3, 5, generator=g)
     wide = torch.randn(4, 1000, generator=g) * 3
     wide[1] += 2000.0
     wide[2, ::7] = float("-inf")
-    return narrow.to(dev), wide.to(dev)
+    exact = torch.randn(2, 256, generator=g) * 2
+    cases = [(narrow, 8), (wide, 128), (exact, 64), (wide.half(), 256), (wide.bfloat16(), 64)]
+    return [(x.to(dev), block) for x, block in cases]
 
 
-@exercise("08", "softmax_rows", forbidden=SOFTMAX_CALLS)
-def softmax_rows(ns):
-    fn = require(ns, "softmax_rows")
-    narrow, wide = _softmax_inputs(_device())
-    for x in (narrow, wide):
-        got = fn(x.clone())
-        if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-            raise ExerciseFailed(f"expected a tensor of the input's shape {tuple(x.shape)}")
-        want = x.softmax(-1)
-        if torch.allclose(got, want, atol=1e-6):
+@exercise("08", "softmax_kernel")
+def softmax_kernel(ns):
+    kernel = _kernel(ns, "softmax_kernel")
+    wrong_dtypes = []
+    for x, block in _softmax_cases(_device()):
+        out = torch.full_like(x, float("nan"))
+        case = f"{NAME[x.dtype]} rows of {x.shape[1]} in tiles of {block}"
+        _launch(kernel, "softmax_kernel", case, (x.shape[0],), x, out, x.shape[1], BLOCK=block)
+        want = x.float().softmax(-1)
+        if _close(out, want, x.dtype):
             continue
-        if x is narrow and torch.allclose(got, x.softmax(0), atol=1e-6):
-            raise ExerciseFailed("normalized over the wrong axis: each row (one token's logits) must sum to 1")
-        if not torch.isfinite(got[1]).all() and torch.isfinite(got[[0, 3]]).all():
-            raise ExerciseFailed("exp overflowed on a row of large logits: subtract the row's max (over all its "
-                                 "tiles) before exponentiating")
-        if torch.allclose(got, (x - x.amax(-1, keepdim=True)).exp(), atol=1e-6):
-            raise ExerciseFailed("not divided by the row's sum: a softmax row must sum to 1")
-        sums = got.sum(-1, keepdim=True)
-        if torch.isfinite(got).all() and torch.allclose(got / sums, want, atol=1e-6):
-            raise ExerciseFailed(f"right shape of distribution, but rows sum to {sums.min():.3f}..{sums.max():.3f}: "
-                                 "the row's sum included lanes past its end; masked loads of the tail tile must "
-                                 "give -inf (other=float('-inf')), whose exp is 0")
-        for width in (16, 32, 64, 128, 256, 512):
-            if x is wide and torch.allclose(got[0, :width], x[0, :width].softmax(-1), atol=1e-6):
-                if torch.allclose(got[0, width:2 * width], x[0, width:2 * width].softmax(-1), atol=1e-6):
-                    break  # every tile normalized on its own: the message below
-                raise ExerciseFailed(f"only the first {width} columns were normalized: a vocabulary row is wider "
-                                     "than one tile; loop over it tile by tile (max, then sum, then write)")
-        if x is wide:
-            raise ExerciseFailed("right on rows narrower than a tile, wrong on rows of several tiles: the max and "
-                                 "the sum must cover the whole row, every tile, before any value is written")
-        raise ExerciseFailed(f"differs from exp(x - max) / sum along each row (max abs diff "
-                             f"{(got - want).abs().nan_to_num(1.0).max():.2e})")
-    return "rows of several tiles and a partial tail sum to 1; large and -inf logits handled"
+        if x.dtype != torch.float32:
+            wrong_dtypes.append(x.dtype)
+            continue
+        raise ExerciseFailed(_softmax_mistake(x, block, out, want))
+    if wrong_dtypes:
+        raise ExerciseFailed(_precision_failure(wrong_dtypes))
+    return ("rows of one tile, many tiles, a partial tail, in fp32, fp16 and bf16, sum to 1; large and -inf "
+            "logits handled")
 
 
-@exercise("08", "store_kvcache", forbidden=(
-    "labkit.cache.paged_storage.store_kv", "labkit.attention.triton_kernels.store_kvcache",
-    "labkit.attention.triton_kernels._kernels",
-))
-def store_kvcache(ns):
-    fn = require(ns, "store_kvcache")
+def _softmax_mistake(x, block, got, want) -> str:
+    if x.shape[1] < block and torch.allclose(got, x.softmax(0), atol=1e-6):
+        return "normalized over the wrong axis: each row (one token's logits) must sum to 1"
+    if x.shape[0] == 4 and not torch.isfinite(got[1]).all() and torch.isfinite(got[[0, 3]]).all():
+        return ("exp overflowed on a row of large logits: subtract the row's max (over all its tiles) before "
+                "exponentiating")
+    if torch.allclose(got, (x - x.amax(-1, keepdim=True)).exp(), atol=1e-6):
+        return "not divided by the row's sum: a softmax row must sum to 1"
+    sums = got.sum(-1, keepdim=True)
+    if torch.isfinite(got).all() and torch.allclose(got / sums, want, atol=1e-6):
+        return (f"right shape of distribution, but rows sum to {sums.min():.3f}..{sums.max():.3f}: the row's sum "
+                "included lanes past its end; masked loads of the tail tile must give -inf (other=float('-inf')), "
+                "whose exp is 0")
+    if x.shape[1] > block:
+        if torch.isnan(got[:, block:]).all():
+            return (f"only the first {block} columns (one tile) were written: a vocabulary row is wider than one "
+                    "tile; loop over it tile by tile (max, then sum, then write)")
+        if torch.allclose(got[:, :block], x[:, :block].softmax(-1), atol=1e-6, equal_nan=True):
+            return ("every tile was normalized on its own: the max and the sum must cover the whole row, every "
+                    "tile, before any value is written")
+        return (f"right on rows narrower than a tile, wrong on rows of several tiles of {block}: the max and the "
+                "sum must cover the whole row, every tile, before any value is written")
+    diff = (got - want).abs().nan_to_num(1.0).max()
+    return f"differs from exp(x - max) / sum along each row (max abs diff {diff:.2e})"
+
+
+# --- store K/V into the slots -------------------------------------------------------------------------------
+
+def _store_cases(dev):
+    """(k, v, k_buf, v_buf, slots): each cache sits in a buffer between guard rows, where a stray slot -1
+    (before) or a lane past ROW at the last slot (after) would land. Rows of
+    num_kv_heads * head_dim = 32 (a power of two), 24 (padded to 32 lanes) and 64, in fp32, fp16, bf16."""
     g = torch.Generator().manual_seed(8)
-    dev = _device()
-    row = 2 * 16
-    # each cache sits in a buffer one block past a guard region, where a stray slot -1 would land
-    k_buf = torch.cat([torch.zeros(8 * row), torch.randn(4 * 8 * row, generator=g)]).to(dev)
-    v_buf = torch.cat([torch.zeros(8 * row), torch.randn(4 * 8 * row, generator=g)]).to(dev)
-    k_cache, v_cache = k_buf[8 * row:].view(4, 8, 2, 16), v_buf[8 * row:].view(4, 8, 2, 16)
-    k, v = torch.randn(5, 2, 16, generator=g).to(dev), torch.randn(5, 2, 16, generator=g).to(dev)
-    slots = torch.tensor([9, -1, 31, 0, -1], device=dev)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    store_kv(k, v, want_k, want_v, slots)
-    before_k = k_cache.clone()
-    fn(k, v, k_cache, v_cache, slots)
-    if torch.equal(k_cache, before_k):
-        raise ExerciseFailed("the cache did not change: the kernel stored nothing")
-    if k_buf[:8 * row].any() or v_buf[:8 * row].any():
-        raise ExerciseFailed("a token with slot -1 was stored (just before the cache, out of bounds): mask it out")
-    stored = slots >= 0
-    k_rows, v_rows = k_cache.reshape(-1, row)[slots[stored]], v_cache.reshape(-1, row)[slots[stored]]
-    if torch.equal(k_rows, v[stored].flatten(1)) and torch.equal(v_rows, k[stored].flatten(1)):
-        raise ExerciseFailed("K went into the V cache and V into the K cache: keep the argument order "
-                             "(k, v, k_cache, v_cache, slot_mapping)")
-    if torch.equal(k_cache, want_k) and not torch.equal(v_cache, want_v):
-        raise ExerciseFailed("K is right but V is not: store both")
-    if not torch.equal(k_cache, want_k) or not torch.equal(v_cache, want_v):
+    cases = []
+    for kv_heads, head_dim, block_size, blocks, slots, dtype in (
+            (2, 16, 8, 4, [9, -1, 31, 0, -1], torch.float32),
+            (3, 8, 4, 5, [19, 2, -1, 7, 3, 12], torch.float16),
+            (1, 64, 16, 2, [-1, 31, 16, 5], torch.bfloat16)):
+        shape = (2 * blocks + 2, block_size, kv_heads, head_dim)  # guard, cache, guard (as long: a slot stride
+        k_buf, v_buf = (torch.randn(*shape, generator=g).to(dtype) for _ in "kv")  # of ROW_PAD lands there)
+        for buf in (k_buf, v_buf):
+            buf[0], buf[blocks + 1:] = 0, 0
+        k, v = (torch.randn(len(slots), kv_heads, head_dim, generator=g).to(dtype) for _ in "kv")
+        cases.append([t.to(dev) for t in (k, v, k_buf, v_buf, torch.tensor(slots))])
+    return cases
+
+
+@exercise("08", "store_kv_kernel", forbidden=OWN_KERNELS)
+def store_kv_kernel(ns):
+    kernel = _kernel(ns, "store_kv_kernel")
+    for k, v, k_buf, v_buf, slots in _store_cases(_device()):
+        blocks = (k_buf.shape[0] - 2) // 2
+        k_cache, v_cache, after = k_buf[1:blocks + 1], v_buf[1:blocks + 1], slice(blocks + 1, None)
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        store_kv(k, v, want_k, want_v, slots)
+        before_k, row = k_cache.clone(), k.shape[1] * k.shape[2]
+        case = f"{NAME[k.dtype]}, rows of {k.shape[1]} KV heads x {k.shape[2]}"
+        _launch(kernel, "store_kv_kernel", case, (k.shape[0],), k, v, k_cache, v_cache, slots,
+                ROW=row, ROW_PAD=1 << (row - 1).bit_length())
+        if torch.equal(k_cache, before_k):
+            raise ExerciseFailed("the cache did not change: the kernel stored nothing")
+        if k_buf[0].any() or v_buf[0].any():
+            raise ExerciseFailed("a token with slot -1 was stored (just before the cache, out of bounds): mask it out")
+        strays = k_buf[after].any() or v_buf[after].any()
+        if torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v) and not strays:
+            continue
+        stored = slots >= 0
+        k_rows, v_rows = k_cache.reshape(-1, row)[slots[stored]], v_cache.reshape(-1, row)[slots[stored]]
+        if torch.equal(k_rows, v[stored].flatten(1)) and torch.equal(v_rows, k[stored].flatten(1)):
+            raise ExerciseFailed("K went into the V cache and V into the K cache: keep the argument order "
+                                 "(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr)")
+        if torch.equal(k_rows, k[stored].flatten(1)) and torch.equal(v_rows, v[stored].flatten(1)):
+            raise ExerciseFailed(f"every token's row is right, but values past it changed ({case}, ROW = {row} "
+                                 f"padded to {1 << (row - 1).bit_length()} lanes): mask the lanes >= ROW")
+        if torch.equal(k_cache, want_k):
+            raise ExerciseFailed("K is right but V is not: store both")
         wrong = int((k_cache != want_k).any(-1).any(-1).sum())
-        raise ExerciseFailed(f"{wrong} cache rows differ from storing token t's K/V row at slot_mapping[t]; "
-                             "row of slot s starts at s * num_kv_heads * head_dim")
-    return "every token's K/V row is in its slot; slot -1 skipped"
+        raise ExerciseFailed(f"{wrong} cache rows differ from storing token t's K/V row at slot_mapping[t] ({case}); "
+                             "the row of slot s starts at s * ROW, ROW = num_kv_heads * head_dim")
+    return "every token's K/V row is in its slot, rows of 24, 32 and 64 in fp32, fp16 and bf16; slot -1 skipped"
 
 
-def _decode_inputs(g, dev):
-    k_cache = torch.randn(10, 8, 2, 16, generator=g)
-    v_cache = torch.randn(10, 8, 2, 16, generator=g)
-    context_lens = torch.tensor([1, 13, 20])
-    block_tables = torch.tensor([[7, -1, -1], [2, 9, -1], [4, 0, 5]], dtype=torch.int32)
-    for s, n in enumerate(context_lens.tolist()):  # slots past the context hold large junk
-        for t in range(n, 24):
-            block = int(block_tables[s, t // 8])
-            if block >= 0:
-                k_cache[block, t % 8], v_cache[block, t % 8] = 30.0, 30.0
-    q = torch.randn(3, 6, 16, generator=g)
-    return [x.to(dev) for x in (q, k_cache, v_cache, block_tables, context_lens)]
+# --- paged attention: decode and prefill ----------------------------------------------------------------------
 
-
-@exercise("08", "paged_decode", forbidden=(
-    "labkit.attention.reference.paged_decode_attention", "labkit.attention.reference.paged_attention",
-    "labkit.attention.reference.gather_kv", "labkit.attention.triton_kernels.paged_attention",
-    "labkit.attention.triton_kernels._kernels",
-))
-def paged_decode(ns):
-    fn = require(ns, "paged_decode")
-    g = torch.Generator().manual_seed(80)
-    q, k_cache, v_cache, block_tables, context_lens = _decode_inputs(g, _device())
-    got = fn(q, k_cache, v_cache, block_tables, context_lens)
-    want = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        raise ExerciseFailed(f"expected a [num_seqs, num_heads, head_dim] = {tuple(want.shape)} tensor")
-    if torch.allclose(got, want, atol=1e-4):
-        return "matches the gather-then-attend reference (GQA, partial last blocks)"
-    padded = paged_decode_attention(q, k_cache, v_cache, block_tables, (context_lens + 7) // 8 * 8)
-    if torch.allclose(got, padded, atol=1e-4):
-        raise ExerciseFailed("keys past the context length were attended to: mask positions >= context_len")
-    k_mod = k_cache.repeat(1, 1, 3, 1)  # query head h reading KV head h % num_kv_heads
-    v_mod = v_cache.repeat(1, 1, 3, 1)
-    if torch.allclose(got, paged_decode_attention(q, k_mod, v_mod, block_tables, context_lens), atol=1e-4):
-        raise ExerciseFailed("query head h read KV head h % num_kv_heads: with GQA it is h // (num_heads // "
-                             "num_kv_heads)")
-    if torch.allclose(got, paged_decode_attention(q * q.shape[-1] ** 0.5, k_cache, v_cache, block_tables,
-                                                  context_lens), atol=1e-4):
-        raise ExerciseFailed("scores were not scaled: multiply q . k by scale = 1/sqrt(head_dim)")
-    in_order = torch.arange(block_tables.numel(), dtype=block_tables.dtype, device=block_tables.device)
-    if torch.allclose(got, paged_decode_attention(q, k_cache, v_cache, in_order.view_as(block_tables), context_lens),
-                      atol=1e-4):
-        raise ExerciseFailed("the block table was ignored (blocks assumed to be 0, 1, 2, ...): load block b of "
-                             "sequence s from block_tables[s, b]")
-    one = paged_decode_attention(q[:1], k_cache, v_cache, block_tables[:1], context_lens[:1])
-    if torch.allclose(got[:1], one, atol=1e-4):
-        raise ExerciseFailed("right for the one-token context, wrong for longer ones: check the running max "
-                             "rescaling (alpha = exp(m_old - m_new)) and the block-table lookup")
-    raise ExerciseFailed(f"differs from the reference (max abs diff {(got - want).abs().max():.2e})")
-
-
-def _prefill_inputs(dev):
-    """A whole prompt, a prompt after a 15-token cached prefix, and a decode step, in shuffled blocks of 8
-    (padded block table, -1 past each sequence's blocks); slots past each context hold large junk."""
-    q_lens, k_lens = [5, 4, 1], [5, 19, 13]
-    q, k_cache, v_cache, tables, cu_q, cu_k = random_paged_inputs(k_lens, q_lens, num_kv_heads=2, head_dim=16,
-                                                                  block_size=8, num_heads=4, seed=82)
+def _paged_case(q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, seed, dev):
+    """random_paged_inputs with the caches inside a buffer of junk blocks (a read through a -1 table entry or
+    past the last block reads junk, not memory beyond the tensor), and junk in every slot past a context."""
+    q, k_cache, v_cache, tables, cu_q, cu_k = random_paged_inputs(
+        k_lens, q_lens, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, num_heads=heads, seed=seed)
     for s, n in enumerate(k_lens):
-        for t in range(n, 8 * tables.shape[1]):
-            block = int(tables[s, t // 8])
+        for t in range(n, block_size * tables.shape[1]):
+            block = int(tables[s, t // block_size])
             if block >= 0:
-                k_cache[block, t % 8], v_cache[block, t % 8] = 30.0, 30.0
-    return [x.to(dev) for x in (q, k_cache, v_cache, tables, cu_q, cu_k)], max(q_lens)
+                k_cache[block, t % block_size], v_cache[block, t % block_size] = 30.0, 30.0
+    blocks = k_cache.shape[0]  # junk after the cache: room for a kernel that takes blocks of 4 for blocks of 16
+    bufs = [torch.full((1 + 5 * blocks, *k_cache.shape[1:]), 30.0) for _ in "kv"]
+    for buf, cache in zip(bufs, (k_cache, v_cache), strict=True):
+        buf[1:1 + blocks] = cache
+    k_cache, v_cache = (b.to(dtype).to(dev)[1:1 + blocks] for b in bufs)
+    q = q.to(dtype).to(dev)
+    desc = (f"{NAME[dtype]}, {heads} query heads on {kv_heads} KV heads, blocks of {block_size}, head_dim {head_dim}, "
+            f"context lengths {k_lens}")
+    return desc, q, k_cache, v_cache, tables.to(dev), cu_q.to(dev), cu_k.to(dev)
 
 
-def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causal", gqa="div", scale=None):
-    """Per sequence: gather its keys through the block table, then torch's scaled_dot_product_attention
-    with an explicit mask. `visible` and `gqa` other than the defaults reproduce typical mistakes."""
+# (q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, seed): groups of 3, 1 and 8 query heads per KV
+# head, blocks of 8, 4 and 16, contexts that end inside a block and on its edge; then fp16 and bf16
+DECODE = [([1] * 3, [1, 13, 20], 6, 2, 16, 8, torch.float32, 80),
+          ([1] * 3, [9, 4, 16], 4, 4, 32, 4, torch.float32, 81),
+          ([1] * 2, [33, 16], 8, 1, 16, 16, torch.float32, 82),
+          ([1] * 3, [20, 1, 31], 6, 2, 32, 8, torch.float16, 83),
+          ([1] * 2, [12, 7], 4, 2, 16, 4, torch.bfloat16, 84)]
+PREFILL = [([5, 4, 1], [5, 19, 13], 4, 2, 16, 8, torch.float32, 82),  # a prompt, one after a cached prefix, a decode
+           ([3, 8], [12, 8], 3, 1, 32, 4, torch.float32, 85),
+           ([4, 1], [20, 16], 2, 2, 16, 16, torch.float32, 86),
+           ([5, 4, 1], [5, 19, 13], 4, 2, 16, 8, torch.float16, 87),
+           ([3, 2], [9, 2], 4, 2, 16, 4, torch.bfloat16, 88)]
+
+
+def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causal", gqa="div", scale=None,
+                in_order=False):
+    """Per sequence: gather its keys through the block table, then torch's scaled_dot_product_attention with
+    an explicit mask, in fp32. The keywords other than their defaults reproduce typical mistakes."""
+    q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
     out, block_size = torch.empty_like(q), k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
+    tables = torch.arange(block_tables.numel(), device=q.device).view_as(block_tables) if in_order else block_tables
+    if tables.max() >= k_cache.shape[0]:  # blocks in order run past the cache: no answer reads them the same
+        return torch.full_like(q, float("nan"))
     for s in range(len(cu_q) - 1):
         q0, q1, n_k = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s + 1] - cu_k[s])
-        blocks = block_tables[s, : -(-n_k // block_size)].long()
-        keys, values = (c[blocks].flatten(0, 1)[:n_k] for c in (k_cache, v_cache))
+        n_seen = -(-n_k // block_size) * block_size if visible == "padded" else n_k
+        blocks = tables[s, : -(-n_k // block_size)].long()
+        keys, values = (c[blocks].flatten(0, 1)[:n_seen] for c in (k_cache, v_cache))
         expand = (lambda x: x.repeat_interleave(group, 1)) if gqa == "div" else (lambda x: x.repeat(1, group, 1))
-        rows, cols = torch.arange(q1 - q0, device=q.device)[:, None], torch.arange(n_k, device=q.device)[None]
+        rows, cols = torch.arange(q1 - q0, device=q.device)[:, None], torch.arange(n_seen, device=q.device)[None]
         last = n_k - (q1 - q0) + rows  # the last key row i may see: the new tokens end the context
-        mask = {"causal": cols <= last, "top_left": cols <= rows, "all": cols >= 0,
+        mask = {"causal": cols <= last, "top_left": cols <= rows, "all": cols >= 0, "padded": cols >= 0,
                 "new_only": (cols <= last) & (cols > n_k - (q1 - q0) - 1)}[visible]
         out[q0:q1] = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), expand(keys).transpose(0, 1),
                                                     expand(values).transpose(0, 1), attn_mask=mask,
@@ -190,42 +265,98 @@ def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causa
     return out
 
 
-@exercise("08", "paged_prefill", forbidden=(
-    "labkit.attention.reference.paged_attention", "labkit.attention.reference.varlen_attention",
-    "labkit.attention.reference.paged_decode_attention", "labkit.attention.reference.gather_kv",
-    "labkit.attention.triton_kernels.paged_attention", "labkit.attention.triton_kernels._kernels",
-    "torch.nn.functional.scaled_dot_product_attention",
-))
-def paged_prefill(ns):
-    fn = require(ns, "paged_prefill")
-    args, max_q = _prefill_inputs(_device())
-    got = fn(*args, max_q)
-    want = _sdpa_paged(*args)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        raise ExerciseFailed(f"expected a [total_new_tokens, num_heads, head_dim] = {tuple(want.shape)} tensor")
-    if torch.allclose(got, want, atol=1e-4):
-        return "matches torch's scaled_dot_product_attention: whole prompt, cached prefix and decode in one launch"
-    mistakes = [
+def _grade_paged(ns, factory: str, cases, decode: bool, mistakes) -> None:
+    """Launch the kernel on every case; on the first wrong fp32 case name the mistake from what it got right
+    (GQA group, block size, sequences whose context fills its blocks, a typical mistake's output); wrong only
+    in fp16/bf16 is a precision mistake."""
+    kernel = _kernel(ns, factory)
+    results, per_seq, wrong_dtypes, failed = [], [], [], None
+    for q_lens, k_lens, *shape, dtype, seed in cases:
+        desc, q, k_cache, v_cache, tables, cu_q, cu_k = _paged_case(q_lens, k_lens, *shape, dtype, seed, _device())
+        heads, kv_heads, head_dim, block_size = shape
+        out = torch.full_like(q, float("nan"))
+        meta = (cu_k.diff(),) if decode else (cu_q, cu_k)
+        grid = (len(k_lens), heads) if decode else (len(k_lens), heads, max(q_lens))
+        _launch(kernel, factory, desc, grid, q, k_cache, v_cache, out, tables, *meta, head_dim ** -0.5,
+                tables.shape[1], NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+        args = (q, k_cache, v_cache, tables, cu_q, cu_k)
+        want = _sdpa_paged(*args)
+        if _close(out, want, dtype):
+            results.append((shape, True))
+            per_seq.extend((n, block_size, True) for n in k_lens)
+            continue
+        if dtype != torch.float32:
+            wrong_dtypes.append(dtype)
+            continue
+        results.append((shape, False))
+        for s in range(len(k_lens)):
+            rows = slice(int(cu_q[s]), int(cu_q[s + 1]))
+            per_seq.append((k_lens[s], block_size, _close(out[rows], want[rows], dtype)))
+        for variant, message in mistakes:
+            if torch.allclose(out.float(), _sdpa_paged(*args, **variant), atol=1e-4, equal_nan=True):
+                raise ExerciseFailed(message)
+        failed = failed or (desc, out, want)
+    if not all(ok for _, ok in results):
+        raise ExerciseFailed(_paged_mistake(results, per_seq, *failed))
+    if wrong_dtypes:
+        raise ExerciseFailed(_precision_failure(wrong_dtypes))
+
+
+def _paged_mistake(results, per_seq, desc, out, want) -> str:
+    """What the kernel got right names its mistake: one GQA group, one block size, or the sequences (over every
+    fp32 case) whose context fits one block, fills its last block, or ends inside it."""
+    right = [shape for shape, ok in results if ok]
+    if any(kv == heads for heads, kv, _, _ in right) and all(heads > kv for (heads, kv, _, _), ok in results if not ok):
+        return ("right when every query head has its own KV head, wrong with grouped heads (GQA): query head h "
+                "reads KV head h // (NUM_HEADS // NUM_KV_HEADS)")
+    sizes = {block for *_, block in right}
+    if len(sizes) == 1 and all(block not in sizes for (*_, block), ok in results if not ok):
+        return (f"right only with blocks of {sizes.pop()}: use BLOCK_SIZE, never a fixed number, for the positions "
+                "in a block, the loop over blocks and the slot arithmetic")
+    if any(ok for *_, ok in per_seq):
+        for rule, message in (
+                (lambda n, b: n <= b, "right when the context fits in one block, wrong across blocks: look up block b "
+                                      "in block_tables[s, b], and rescale the running sum and accumulator by alpha = "
+                                      "exp(m_old - m_new) whenever the max grows"),
+                (lambda n, b: n % b == 0, "right when a context fills its last block, wrong when it ends inside one: "
+                                          "read the partial last block too (cdiv(length, BLOCK_SIZE) blocks), its "
+                                          "keys past the last visible position masked"),
+                (lambda n, b: n % b != 0, "wrong when a context ends exactly at a block's edge: loop over "
+                                          "cdiv(length, BLOCK_SIZE) blocks; past them the block table holds -1")):
+            if all(ok == rule(n, b) for n, b, ok in per_seq):
+                return message
+    return f"differs from the reference on {desc} (max abs diff {(out.float() - want).abs().nan_to_num(1.0).max():.2e})"
+
+
+GQA_MOD = ("query head h read KV head h % NUM_KV_HEADS: with GQA it is h // (NUM_HEADS // NUM_KV_HEADS)")
+UNSCALED = "scores were not scaled: multiply q . k by scale (1/sqrt(head_dim), the kernel's `scale` argument)"
+
+
+@exercise("08", "paged_decode_kernel", forbidden=OWN_KERNELS)
+def paged_decode_kernel(ns):
+    _grade_paged(ns, "paged_decode_kernel", DECODE, decode=True, mistakes=[
+        (dict(visible="padded"), "keys past the context length were attended to: mask positions >= context_len"),
+        (dict(gqa="mod"), GQA_MOD),
+        (dict(scale=1.0), UNSCALED),
+        (dict(in_order=True), "the block table was ignored (blocks assumed to be 0, 1, 2, ...): load block b "
+                                  "of sequence s from block_tables[s, b]"),
+    ])
+    return "matches the gather-then-attend reference: GQA groups of 1, 3, 8; blocks of 4, 8, 16; fp32, fp16, bf16"
+
+
+@exercise("08", "paged_prefill_kernel", forbidden=OWN_KERNELS)
+def paged_prefill_kernel(ns):
+    _grade_paged(ns, "paged_prefill_kernel", PREFILL, decode=False, mistakes=[
         (dict(visible="top_left"), "row i saw keys 0..i only, as if the prompt started the context: the new tokens "
                                    "end it, so row i sees keys up to k_len - q_len + i (the cached prefix too)"),
         (dict(visible="all"), "no causal mask: row i saw keys after its own position (up to k_len - q_len + i)"),
         (dict(visible="new_only"), "the cached prefix was ignored: row i also sees the k_len - q_len keys "
                                    "already in the cache"),
-        (dict(gqa="mod"), "query head h read KV head h % num_kv_heads: with GQA it is h // (num_heads // "
-                          "num_kv_heads)"),
-        (dict(scale=1.0), "scores were not scaled: multiply q . k by scale = 1/sqrt(head_dim)"),
-    ]
-    for variant, message in mistakes:
-        if torch.allclose(got, _sdpa_paged(*args, **variant), atol=1e-4):
-            raise ExerciseFailed(message)
-    q, k_cache, v_cache, tables, cu_q, cu_k = args
-    decode = slice(int(cu_q[-2]), int(cu_q[-1]))
-    if torch.allclose(got[decode], want[decode], atol=1e-4):
-        raise ExerciseFailed("the decode row (one new token) is right, the prompts' rows are not: each row has "
-                             "its own last visible key, k_len - q_len + i, and its query row at cu_seqlens_q[s] + i")
-    raise ExerciseFailed(f"differs from scaled_dot_product_attention (max abs diff "
-                         f"{(got - want).abs().nan_to_num(1.0).max():.2e}); check the block-table lookup and the "
-                         "online-softmax rescaling")
+        (dict(gqa="mod"), GQA_MOD),
+        (dict(scale=1.0), UNSCALED),
+    ])
+    return ("matches torch's scaled_dot_product_attention: whole prompts, cached prefixes and decodes in one launch, "
+            "GQA groups of 1, 2, 3, blocks of 4, 8, 16, in fp32, fp16 and bf16")
 
 
 @exercise("08", "knowledge_check")
