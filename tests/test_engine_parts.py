@@ -187,6 +187,38 @@ def test_a_wrong_part_is_named_and_leaks_nothing(small, name, wrong, message):
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize(("name", "wrong", "message"), [
+    # Each would leave the engine looping forever without a token: it stops, naming the part. (Without
+    # the prefix cache, a prompt preempted after each chunk starts again from nothing.)
+    ("prepare_step", lambda *a: plain_prepare(*a) | {"cu_seqlens_k": torch.tensor(
+        [0, *torch.tensor(a[2]).cumsum(0).tolist()])}, "counts only the new tokens"),
+    ("schedule_step", lambda running, waiting, *a: [(r, 1) for r in running], "planned nothing although nothing runs"),
+    ("can_append", lambda *a: False, "answered False .* although the free blocks were enough"),
+])
+def test_a_part_that_stalls_the_engine_is_named(small, name, wrong, message):
+    model, tokenizer = small
+    llm = LLM(model, tokenizer=tokenizer, block_size=8, num_kvcache_blocks=12, max_num_batched_tokens=8,
+              max_model_len=96, enable_prefix_caching=False, parts=dataclasses.replace(PLAIN, **{name: wrong}))
+    assert re.search(f"engine part `{name}`: .*({message})", failure(llm, PROMPTS, GREEDY))
+    assert_no_leak(llm)
+
+
+def test_can_append_decides_a_needless_false_preempts(small):
+    """The part's answer is used: a False where the blocks were there preempts (and still finishes),
+    a True where they were not stops the engine, naming the part."""
+    expected, reference = run(small)
+    strict = dataclasses.replace(PLAIN, can_append=lambda n, held, bs, free: -(-n // bs) - held < free)
+    got, llm = run(small, parts=strict)
+    assert llm.metrics.num_preemptions > reference.metrics.num_preemptions
+    assert llm.block_manager.needless_preemptions > 0
+    model, tokenizer = small
+    llm = LLM(model, tokenizer=tokenizer, block_size=8, num_kvcache_blocks=12, max_num_batched_tokens=32,
+              max_model_len=96, parts=dataclasses.replace(PLAIN, can_append=lambda *a: True))
+    assert re.search("engine part `can_append`: answered True .* the next token has no KV slot",
+                     failure(llm, PROMPTS, GREEDY))
+    assert_no_leak(llm)
+
+
 def failure(llm, prompts, params) -> str:
     """What the engine says about a failing part: a PartError out of the batch, or (when it failed
     for each request on its own, as the engine isolates them) the requests' error finish."""

@@ -171,6 +171,7 @@ class PartsBlockManager(BlockManager):
     def __init__(self, parts: EngineParts, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.parts = parts
+        self.needless_preemptions = 0  # times can_append said False although the blocks were there
 
     def prefix_hits(self, token_ids):
         if not self.enable_prefix_caching:
@@ -209,9 +210,14 @@ class PartsBlockManager(BlockManager):
         answer = self.parts.call("can_append", len(seq.token_ids), len(seq.block_table), self.block_size, free)
         if not isinstance(answer, bool):
             raise PartError("can_append", f"must return True or False, got {answer!r}")
-        if answer != super().can_append(seq):  # either way the engine would break: no slot, or a needless preemption
-            raise PartError("can_append", f"answered {answer} for {len(seq.token_ids)} tokens in "
-                                          f"{len(seq.block_table)} blocks of {self.block_size} with {free} free")
+        # The answer decides: False preempts (needlessly, if there was room), True goes on to append,
+        # which cannot go on without a slot for every token.
+        if answer and not super().can_append(seq):
+            raise PartError("can_append", f"answered True for {len(seq.token_ids)} tokens in {len(seq.block_table)} "
+                                          f"blocks of {self.block_size} with {free} free, but they need "
+                                          f"{self._missing_blocks(seq)} more block(s): the next token has no KV slot")
+        if not answer and super().can_append(seq):
+            self.needless_preemptions += 1
         return answer
 
     # All or nothing: a part failing halfway leaves the pool as it was.
@@ -254,6 +260,27 @@ class PartsScheduler(Scheduler):
     def __init__(self, parts: EngineParts, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.parts = parts
+        self.idle_steps = 0  # steps in a row in which no sequence was due its next token
+        self._needless_before = 0  # the block manager's needless preemptions when a token was last due
+
+    def schedule(self) -> SchedulerOutput:
+        """labkit's schedule, stopped with a PartError naming the part when the engine makes no
+        progress: no sequence due a token for longer than any prompt's chunked prefill can take."""
+        out = super().schedule()
+        needless = getattr(self.block_manager, "needless_preemptions", 0)
+        if any(seq.num_cached_tokens + n == seq.num_tokens for seq, n in zip(out.seqs, out.num_new_tokens,
+                                                                             strict=True)):
+            self.idle_steps, self._needless_before = 0, needless
+            return out
+        self.idle_steps += 1
+        if self.idle_steps > self.config.max_model_len + 1:
+            if needless > self._needless_before:
+                raise PartError("can_append", f"no sequence got a token in {self.idle_steps} steps: your can_append "
+                                              f"answered False {needless - self._needless_before} times although the "
+                                              "free blocks were enough, and each False preempts a sequence")
+            raise PartError("schedule_step", f"no sequence got a token in {self.idle_steps} steps: the engine makes "
+                                             "no progress with the plans schedule_step returns")
+        return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting or budget <= 0:
@@ -297,6 +324,11 @@ class PartsScheduler(Scheduler):
             if not self.config.enable_chunked_prefill and n < wanted[rid]:
                 raise PartError("schedule_step", f"cut {rid!r}'s prompt to {n} tokens, but chunked prefill is off")
             budget -= self._admit(seq, n, out)
+        if out.is_empty:  # nothing runs: the head of the queue fits the empty cache (check_fits)
+            raise PartError("schedule_step", f"planned nothing although nothing runs and {len(waiting)} request(s) "
+                                             f"wait: admit the first by priority and arrival, or the engine waits "
+                                             f"forever (waiting={waiting}, token_budget={budget}, "
+                                             f"free_blocks={bm.num_free_blocks})")
 
 
 class PartsModelRunner(ModelRunner):
@@ -340,11 +372,12 @@ def _check_step(step, seqs, num_new_tokens, num_slots: int) -> list[torch.Tensor
     if cu_q.diff().tolist() != list(num_new_tokens) or int(cu_q[0]) != 0:
         raise PartError("prepare_step", f"cu_seqlens_q {cu_q.tolist()} must be the running sum of the new tokens "
                                         f"{list(num_new_tokens)}, from 0")
-    if int(cu_k[0]) != 0 or (cu_k.diff() < cu_q.diff()).any():
-        raise PartError("prepare_step", f"cu_seqlens_k {cu_k.tolist()} must be the running sum of each sequence's "
-                                        "context length (cached + new tokens), from 0")
-    if any(end > seq.num_tokens for end, seq in zip(cu_k.diff().tolist(), seqs, strict=True)):
-        raise PartError("prepare_step", f"cu_seqlens_k {cu_k.tolist()} counts more tokens than a sequence holds")
+    contexts = [seq.num_cached_tokens + n for seq, n in zip(seqs, num_new_tokens, strict=True)]
+    if int(cu_k[0]) != 0 or cu_k.diff().tolist() != contexts:
+        why = ("counts only the new tokens, so no sequence ever reaches its end and none is sampled"
+               if cu_k.diff().tolist() == list(num_new_tokens) else "is not that")
+        raise PartError("prepare_step", f"cu_seqlens_k {cu_k.tolist()} must be the running sum, from 0, of each "
+                                        f"sequence's context, cached + new tokens ({contexts}); it {why}")
     slots = step["slot_mapping"]
     if len(slots) and (slots.min() < 0 or slots.max() >= num_slots):
         raise PartError("prepare_step", f"slot_mapping {slots.tolist()} has slots outside the cache's "

@@ -257,6 +257,47 @@ def lru_backwards(free_uncached, free_cached, hash_to_block, blocks):
     return block_id
 
 
+def take_most_recent(free_uncached, free_cached, hash_to_block, blocks):
+    """Evicts the most recently freed cached block (LIFO), not the least recently freed."""
+    if free_uncached:
+        return take(free_uncached, free_cached, hash_to_block, blocks)
+    block_id, _ = free_cached.popitem(last=True)
+    del hash_to_block[blocks[block_id].hash]
+    blocks[block_id].hash = blocks[block_id].token_ids = None
+    blocks[block_id].ref_count = 1
+    return block_id
+
+
+def take_keeping_hash(free_uncached, free_cached, hash_to_block, blocks):
+    """Evicts, but leaves the evicted block's entry in hash_to_block (Lab 09's stale entry)."""
+    block_id = free_uncached.popleft() if free_uncached else free_cached.popitem(last=False)[0]
+    blocks[block_id].hash = blocks[block_id].token_ids = None
+    blocks[block_id].ref_count = 1
+    return block_id
+
+
+def schedule_with(*, skip=False, seats=True, by_priority=True, shortest=False, chunk=True, subtract=True):
+    """Lab 10's schedule_step with one of its rules broken."""
+    def schedule_step(running, waiting, token_budget, max_num_seqs, free_blocks):
+        plan = [(rid, 1) for rid in running]
+        budget = token_budget - len(plan)
+        key = (lambda r: r.prompt_len) if shortest else (lambda r: (-r.priority, r.arrival)) if by_priority else (
+            lambda r: r.arrival)
+        for req in sorted(waiting, key=key):
+            if budget == 0 or (seats and len(plan) >= max_num_seqs):
+                break
+            if req.blocks > free_blocks or (not chunk and req.prompt_len > budget):
+                if skip:
+                    continue
+                break
+            plan.append((req.id, min(req.prompt_len, budget)))
+            budget -= plan[-1][1]
+            free_blocks -= req.blocks if subtract else 0
+        return plan
+
+    return schedule_step
+
+
 def labkit_prepare(*args):
     from labkit.engine.parts import labkit_prepare_step
 
@@ -270,10 +311,23 @@ WRONG_CAPSTONE = [
     ("positions restart at zero", dict(prepare_step=lambda *a: step(*a, positions_from_zero=True)),
      "your `prepare_step` answered the engine differently from labkit's: positions"),
     ("can_append with floor division", dict(can_append=lambda n, h, bs, f: n // bs - h <= f), "`can_append`"),
+    ("can_append with < instead of <=", dict(can_append=lambda n, h, bs, f: -(-n // bs) - h < f),
+     "your `can_append` answered the engine differently from labkit's: its answer is False"),
     ("admits what does not fit", dict(schedule_step=lambda r, w, budget, seats, _: schedule(r, w, budget, seats, 99)),
      "whose blocks do not fit"),
     ("prefix lookup without the chain", dict(cached_prefix_blocks=lambda *a: []), "`cached_prefix_blocks`"),
     ("top-p drops the token that crosses top_p", dict(top_p_filter=top_p_without_crossing), "`top_p_filter`"),
+    ("skips a request that does not fit", dict(schedule_step=schedule_with(skip=True)), "skipping it for a later"),
+    ("ignores max_num_seqs", dict(schedule_step=schedule_with(seats=False)), "more than max_num_seqs"),
+    ("ignores priority", dict(schedule_step=schedule_with(by_priority=False)), "ignored priorities"),
+    ("shortest prompt first", dict(schedule_step=schedule_with(shortest=True)), "shortest prompt first"),
+    ("never chunks a prompt", dict(schedule_step=schedule_with(chunk=False)), "chunked prefill"),
+    ("forgets to subtract the blocks it gave", dict(schedule_step=schedule_with(subtract=False)),
+     "subtract them before the next request"),
+    ("evicts the most recently freed block", dict(take_free_block=take_most_recent), "LRU evicts the least recently"),
+    ("keeps the evicted block's hash", dict(take_free_block=take_keeping_hash), "a stale entry"),
+    ("cu_seqlens_k counts only new tokens", dict(prepare_step=lambda *a: step(*a, k_counts_new_only=True)),
+     "counts only the new tokens, so no sequence ever reaches its end"),
 ]
 
 

@@ -61,7 +61,7 @@ def reference_can_append(num_tokens: int, num_blocks_held: int, block_size: int,
 
 
 def reference_schedule_step(running, waiting, token_budget, max_num_seqs, free_blocks, *, order=None,
-                            skip_misfits=False, chunked=True):
+                            skip_misfits=False, chunked=True, subtract=True):
     """The policy of labkit's Scheduler, on plain records. The keyword arguments re-create typical
     mistakes, so a wrong plan can be named."""
     plan = [(rid, 1) for rid in running[:token_budget]]
@@ -75,7 +75,7 @@ def reference_schedule_step(running, waiting, token_budget, max_num_seqs, free_b
             break
         plan.append((req.id, min(req.prompt_len, budget)))
         budget -= plan[-1][1]
-        free_blocks -= req.blocks
+        free_blocks -= req.blocks if subtract else 0
     return plan
 
 
@@ -87,6 +87,8 @@ MISTAKES = [
     (dict(order=lambda r: r.arrival), "ignored priorities: highest priority first, then earliest arrival"),
     (dict(order=lambda r: (r.priority, r.arrival)), "lowest priority first: higher priority values run first"),
     (dict(chunked=False), "a prompt longer than the budget left must be cut to it (chunked prefill), not held back"),
+    (dict(subtract=False), "the blocks given to an admitted request are no longer free: subtract them before the "
+                           "next request is checked"),
 ]
 
 

@@ -432,9 +432,22 @@ def _failure(message, where) -> ExerciseFailed:
 
 
 # --- capstone: labkit's engine with the student's parts -----------------------------------------
-CAPSTONE_PROMPTS = ["The capital of France is", "The capital of France is a city where", "1, 2, 3, 4,",
-                    "Once upon a time, in a small village at the edge of a forest,"]
-CAPSTONE_ENGINE = {"block_size": 16, "num_kvcache_blocks": 5, "max_num_batched_tokens": 48, "max_model_len": 64}
+# One small engine, two batches. Every part meets the cases its lesson is about, and the shadows
+# below compare each of its answers with labkit's on the trusted side.
+CAPSTONE_ENGINE = {"block_size": 8, "num_kvcache_blocks": 7, "max_num_batched_tokens": 32, "max_num_seqs": 3,
+                   "max_model_len": 64}
+COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # 38 tokens: longer than a step's token budget
+STORY = "Once upon a time, in a small village at the edge of a forest,"
+CAPSTONE_BATCHES = [
+    # More requests than seats, three priorities, a prompt that must be chunked, a head of the queue
+    # that does not fit while a later request would, and decodes that run out of blocks (preemption).
+    [("The three primary colors are", 0), (COUNT, 0), ("The capital of France is", 1), (STORY, 1),
+     ("Water boils at", 2)],
+    # After the first batch every free block is cached: a prompt that reuses cached blocks, and new
+    # prompts whose blocks are taken by evicting among several cached candidates (least recent first).
+    [(COUNT, 0), ("A recipe for bread needs flour,", 1), (STORY + " there lived", 0),
+     ("Two plus two is", 0)],
+]
 
 
 @functools.cache
@@ -449,14 +462,14 @@ def smollm2_cpu():
 def _capstone_params():
     from labkit.sampling import SamplingParams
 
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     # Hot and narrow, so a filter that keeps one token too many (or too few) changes a draw.
-    seeded = SamplingParams(temperature=1.5, top_k=3, top_p=0.7, seed=7, max_tokens=8, ignore_eos=True)
-    return [greedy, seeded, greedy, seeded]
+    seeded = SamplingParams(temperature=1.5, top_k=3, top_p=0.7, seed=7, max_tokens=4, ignore_eos=True)
+    return greedy, seeded
 
 
 def _run_engine(parts):
-    """The batch's tokens, the schedule of every step, and the metrics; a part's error as a string."""
+    """Each batch's tokens, the schedule of every step, and the preemptions; a part's error as a string."""
     import warnings
 
     from labkit.engine import LLM, FinishReason
@@ -474,22 +487,28 @@ def _run_engine(parts):
     llm.scheduler.schedule = traced
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    greedy, seeded = _capstone_params()
+    tokens = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            outputs = llm.generate(CAPSTONE_PROMPTS, _capstone_params())
+            for batch in CAPSTONE_BATCHES:
+                prompts, priorities = zip(*batch, strict=True)
+                params = [(greedy, seeded)[i % 2] for i in range(len(prompts))]
+                outputs = llm.generate(list(prompts), params, priority=list(priorities))
+                for out in outputs:
+                    if out.outputs[0].finish_reason is FinishReason.ERROR:
+                        return str(out.outputs[0].stop_reason)
+                tokens += [o.token_ids for o in outputs]
     except PartError as error:
         return str(error)
     finally:
         torch.set_num_threads(threads)
-    for out in outputs:
-        if out.outputs[0].finish_reason is FinishReason.ERROR:
-            return str(out.outputs[0].stop_reason)
     if llm.block_manager.num_used_blocks:
         return f"{llm.block_manager.num_used_blocks} KV blocks still in use after every request finished"
     first = min(seq_id for step in trace for seq_id, _ in step)
     trace = [[(seq_id - first, n) for seq_id, n in step] for step in trace]  # ids relative to the first request
-    return [o.token_ids for o in outputs], trace, llm.metrics.num_preemptions
+    return tokens, trace, llm.metrics.num_preemptions
 
 
 @functools.cache
@@ -527,14 +546,14 @@ def capstone(ns):
     shadows = {name: _Shadow(name, part) for name, part in student.items()}
     got = _run_engine(EngineParts(**shadows))
     first = min((shadow for shadow in shadows.values() if shadow.mismatch), key=lambda sh: sh.mismatch_at, default=None)
+    if first is not None:  # the first wrong answer is the cause; what the engine did next, its consequence
+        raise ExerciseFailed(first.mismatch + (f"; the engine then stopped: {got}" if isinstance(got, str) else ""))
     if isinstance(got, str):
-        raise ExerciseFailed(f"the engine stopped: {got}" + (f" (before that: {first.mismatch})" if first else ""))
-    if first is not None:
-        raise ExerciseFailed(first.mismatch)
+        raise ExerciseFailed(f"the engine stopped: {got}")
     if got != expected:
         raise ExerciseFailed(_difference(got, expected))
-    return (f"labkit's engine with your seven parts gives labkit's tokens on SmolLM2 for {len(CAPSTONE_PROMPTS)} "
-            f"prompts, greedy and seeded, through {expected[2]} preemption(s)")
+    return (f"labkit's engine with your seven parts gives labkit's tokens and schedule on SmolLM2 for "
+            f"{len(expected[0])} prompts, greedy and seeded, through {expected[2]} preemption(s)")
 
 
 class _Shadow:
@@ -554,15 +573,39 @@ class _Shadow:
 
         _Shadow.calls += 1
         given = copy.deepcopy(args)
+        call = _describe_args(given) if self.mismatch is None else None  # as the part was asked
+        call_args = copy.deepcopy(given) if self.mismatch is None else None
         result = self.part(*args)
         if self.mismatch is None:
             want = self.labkit(*given)
             problem = _compare(result, want) or _compare(_contents(args), _contents(given), "its arguments afterwards")
             if problem:
+                problem = _named_mistake(self.name, call_args, result, want, args) or problem
                 self.mismatch_at = _Shadow.calls
                 self.mismatch = (f"your `{self.name}` answered the engine differently from labkit's: {problem} "
-                                 f"[the call: {_describe_args(given)}]")
+                                 f"[the call: {call}]")
         return result
+
+
+def _named_mistake(name, given, result, want, args) -> str | None:
+    """The lesson's name for a part's wrong answer where its own lab's grader has one."""
+    if name == "schedule_step" and isinstance(result, list) and all(isinstance(p, tuple) for p in result):
+        import re
+
+        from labkit.grading.labs.lab10 import _diagnose
+
+        return re.split(r"[.:] running=", _diagnose(tuple(given), result, want))[0]
+    if name == "take_free_block":
+        free_uncached, free_cached, hash_to_block, blocks = args
+        cached = list(given[1])
+        if not given[0] and len(cached) > 1 and result == cached[-1]:
+            return f"evicted block {result}, the most recently freed of the cached free blocks {cached}: LRU " \
+                   f"evicts the least recently freed ({cached[0]})"
+        stale = [h for h, b in hash_to_block.items() if b == result]
+        if isinstance(result, int) and stale and (0 <= result < len(blocks)) and blocks[result].hash is None:
+            return f"block {result} was evicted but its entry is still in hash_to_block: a stale entry that " \
+                   f"would point a later prompt at reused content (delete it when you evict)"
+    return None
 
 
 def _contents(args):
@@ -627,7 +670,8 @@ def _difference(got, expected) -> str:
             return f"step {step + 1} runs (request, tokens) {mine}; labkit's runs {theirs}"
     for i, (mine, theirs) in enumerate(zip(tokens, want_tokens, strict=True)):
         if mine != theirs:
-            return f"prompt {i} ({CAPSTONE_PROMPTS[i]!r}) generates {mine}, labkit's engine {theirs}"
+            prompt = [p for batch in CAPSTONE_BATCHES for p, _ in batch][i]
+            return f"prompt {i} ({prompt!r}) generates {mine}, labkit's engine {theirs}"
     return f"the run takes {len(trace)} steps, labkit's {len(want_trace)}"
 
 
