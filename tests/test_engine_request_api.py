@@ -106,7 +106,7 @@ def test_n_seeded_samples_are_reproducible_independent_of_the_batch_and_share_th
 
     # In a batch with other requests (one also sampling n > 1), in another row, on a cache small
     # enough to preempt: the same four samples.
-    small = engine(smollm2, num_kvcache_blocks=6, max_num_seqs=6)
+    small = engine(smollm2, num_kvcache_blocks=6, max_num_seqs=7)  # 2 + 4 + 1 samples: all of them at once
     others = [SamplingParams(n=2, seed=1, max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=9, seed=5)]
     batch = small.generate(["Hello there", prompt, LONG], [others[0], params, others[1]])
     assert [c.token_ids for c in batch[1].outputs] == texts

@@ -372,3 +372,72 @@ def test_an_interrupt_while_forking_samples_loses_and_repeats_nothing(tiny, monk
     assert interrupter.fired >= 1
     assert [samples_of(outputs[i]) for i in ids] == expected
     assert_no_leak(llm)
+
+
+# --- requests the engine refuses, and limits it keeps (issue 33) --------------------------------
+def test_a_request_with_nothing_left_to_sample_is_refused_not_sampled_from_a_masked_row(tiny):
+    llm = engine(tiny)
+    eos = llm.eos_token_id
+    with pytest.raises(ValueError, match=r"logit_bias must be .* in \[-100, 100\]"):
+        SamplingParams(allowed_token_ids=[5], logit_bias={7: 1e300})  # float32 inf: inf - inf is NaN
+    with pytest.raises(ValueError, match="all EOS or stop tokens, which min_tokens=3 masks"):
+        llm.generate("Hi", SamplingParams(allowed_token_ids=[eos], min_tokens=3))
+    with pytest.raises(ValueError, match="all EOS or stop tokens"):
+        llm.add_request("Hi", SamplingParams(allowed_token_ids=[9, 11], stop_token_ids=[9, 11], min_tokens=1))
+    # Allowed by themselves once min_tokens is reached or EOS is not masked: those run.
+    assert llm.generate("Hi", SamplingParams(allowed_token_ids=[eos], min_tokens=3, ignore_eos=True,
+                                             max_tokens=4))[0].token_ids == [eos] * 4
+    # The sampler itself refuses a row with no finite entry, whoever built it: the request fails alone.
+    from labkit.sampling.sampler import NothingToSample, Sampler, SamplingMetadata
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, allowed_token_ids=[3])]
+    metadata = SamplingMetadata.from_requests(params, [[1], [1]], [[], []], vocab_size=8)
+    logits = torch.zeros(2, 8)
+    assert Sampler()(logits, metadata).tolist() == [0, 3]
+    metadata = SamplingMetadata.from_requests(params, [[1], [1]], [[], []], vocab_size=8)
+    object.__setattr__(metadata, "logit_offsets", metadata.logit_offsets.index_fill(1, torch.tensor([3]),
+                                                                                    float("-inf")))
+    with pytest.raises(NothingToSample, match=r"row\(s\) \[1\]"):
+        Sampler()(logits, metadata)
+    assert_no_leak(llm)
+
+
+def test_max_num_seqs_counts_every_sample_of_an_n_request(tiny):
+    """Four n=4 requests under max_num_seqs=4: one request (its 4 samples) runs at a time, not 16 sequences."""
+    llm = engine(tiny, max_num_seqs=4, num_kvcache_blocks=128)
+    for i in range(4):
+        llm.add_request(prompt(i), SamplingParams(n=4, seed=i, max_tokens=6, ignore_eos=True))
+    most, finished = 0, []
+    while llm.has_unfinished_requests():
+        finished += llm.step()
+        most = max(most, len(llm.scheduler.running))
+    assert most == 4 and len(finished) == 4 and all(len(o.outputs) == 4 for o in finished)
+    assert_no_leak(llm)
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(tiny):
+    with pytest.raises(ValueError, match="max_model_len=513 is beyond the model's 512 positions"):
+        engine(tiny, max_model_len=513)
+    assert engine(tiny, max_model_len=512).scheduler.config.max_model_len == 512
+
+
+def test_chat_refuses_the_roles_the_server_refuses_and_takes_developer_as_system(tiny):
+    llm = engine(tiny)
+    for role in ("tool", "function", "ipython", None):
+        with pytest.raises(ValueError, match="role must be one of system, developer, user, assistant"):
+            llm.chat([{"role": role, "content": "Hi"}], greedy(3))
+    with pytest.raises(ValueError, match="content a str"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], greedy(3))
+    developer = llm.chat([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}], greedy(3))
+    system = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], greedy(3))
+    assert developer[0].prompt_token_ids == system[0].prompt_token_ids
+    assert_no_leak(llm)
+
+
+def test_any_integral_priority_is_taken(tiny):
+    llm = engine(tiny)
+    for priority in (np.int64(3), np.int32(-1), 2):
+        assert llm.generate(prompt(0), greedy(2), priority=priority)[0].token_ids
+    for priority in (True, 1.0, np.float64(2), "1"):
+        with pytest.raises(TypeError, match="priority must be an integer"):
+            llm.add_request(prompt(0), greedy(2), priority=priority)
+    assert_no_leak(llm)

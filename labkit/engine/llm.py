@@ -49,6 +49,8 @@ from labkit.sampling import BeamSearchParams, SamplingParams, check_stop
 from labkit.sampling.logprobs import compute_logprobs
 from labkit.tokenizer import IncrementalDetokenizer, load_tokenizer
 
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # OpenAI's "developer" is the system prompt
+
 
 class LLM:
     def __init__(self, model="smollm2", *, tokenizer=None, block_size: int = 16, num_kvcache_blocks: int | None = None,
@@ -78,6 +80,9 @@ class LLM:
         config = self.model.config
         if max_model_len is None:
             max_model_len = min(config.max_position_embeddings, 2048)
+        elif isinstance(max_model_len, int) and max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} is beyond the model's {config.max_position_embeddings} "
+                             "positions (max_position_embeddings): its position embeddings end there")
         use_graphs = (use_cuda_graph and self.device.type == "cuda"
                       and resolve_backend(attention_backend, self.device) == "triton")
         if num_kvcache_blocks is None:
@@ -105,7 +110,7 @@ class LLM:
                                             capture_sizes(max_num_seqs, max_num_batched_tokens, num_kvcache_blocks),
                                             -(-max_model_len // block_size), max_model_len)
         elif backend.reads_pool_in_c and FusedDecoder.unsupported(self.model, self.storage) is None:
-            graphs = FusedDecoder(self.model, self.storage)  # steps in C (fused_decode.py says which)
+            graphs = FusedDecoder(self.model, self.storage, backend)  # steps in C (fused_decode.py says which)
         self.runner = components.model_runner(self.model, self.storage, backend, graphs)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -146,12 +151,16 @@ class LLM:
             raise TypeError(f"a prompt must be a str (or a list of token ids), got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {priority!r}")
+        if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
         vocab = self.model.config.vocab_size
         for field, ids in params.token_ids_named().items():
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{field} must hold token ids below the vocabulary size {vocab}, got {max(ids)}")
+        banned = set(params.stop_token_ids) | ({self.eos_token_id} if not params.ignore_eos else set())
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= banned:
+            raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)} are all EOS or stop tokens, which "
+                             f"min_tokens={params.min_tokens} masks: no token could be sampled")
         if params.n > self.scheduler.config.max_num_seqs:
             raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs="
                              f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
@@ -468,7 +477,13 @@ class LLM:
                                            for m in conversation):
                 raise TypeError("each message must be a dict with 'role' and 'content', and each "
                                 f"conversation a non-empty list of them; got {conversation!r}")
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+            for m in conversation:
+                if m["role"] not in CHAT_ROLES or not isinstance(m["content"], str):
+                    raise ValueError(f"a message's role must be one of {', '.join(CHAT_ROLES)} and its content a "
+                                     f"str (what labkit serve takes too); got {m['role']!r} with "
+                                     f"{type(m['content']).__name__} content")
+        prompts = [self.tokenizer.apply_chat_template([{**m, "role": _template_role(m["role"])} for m in c],
+                                                      add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> Iterator[str]:
@@ -570,6 +585,11 @@ class _Draw:
     token: int
     logprobs: dict | None
     forked_from: Sequence | None
+
+
+def _template_role(role: str) -> str:
+    """The role as the chat template knows it: OpenAI's "developer" is its system prompt."""
+    return "system" if role == "developer" else role
 
 
 def _wrap_int64(value: int) -> int:

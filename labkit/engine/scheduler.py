@@ -198,7 +198,7 @@ class Scheduler:
         if out.preempted or out.swapped_out:
             return out
         self.swapped.sort(key=self.order)
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self._has_seats_for(self.swapped[0]):
             seq = self.swapped[0]
             # Its blocks come back, plus the block its pending token may need.
             if bm.blocks_needed(seq.num_tokens) > bm.num_free_blocks:
@@ -220,7 +220,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Step 3: admit waiting sequences in order while blocks, `budget` tokens and seats last."""
         self.waiting.sort(key=self.order)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_seats_for(self.waiting[0]):
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq, self.uses_prefix_cache(seq)):
                 break
@@ -228,6 +228,16 @@ class Scheduler:
                 break
             n = self._admit(seq, budget, out)
             budget -= n
+
+    @staticmethod
+    def seats(seq: Sequence) -> int:
+        """The places in the batch `seq` will take: its request's n samples while it is sample 0 and they
+        are not forked yet (they join the batch on its first token), else itself."""
+        return 1 + (seq.params.n - len(seq.group) if seq.index == 0 else 0)
+
+    def _has_seats_for(self, seq: Sequence) -> bool:
+        """max_num_seqs counts samples: `seq` starts only if it and the samples it will fork fit."""
+        return sum(map(self.seats, self.running)) + self.seats(seq) <= self.config.max_num_seqs
 
     @staticmethod
     def uses_prefix_cache(seq: Sequence) -> bool:

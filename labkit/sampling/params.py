@@ -14,6 +14,7 @@ from types import MappingProxyType
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top entries a request may ask for
 MIN_TEMPERATURE = 1e-2  # vLLM's floor: below it logits / temperature overflow float32 into inf and NaN
 MAX_TOP_K = 2**31 - 1  # any k above the vocabulary keeps every token; the sampler packs k into int32 range
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]: enough to force or ban a token, and finite in float32
 
 
 def _is_number(value) -> bool:
@@ -51,6 +52,8 @@ class SamplingParams:
     min_tokens: EOS and stop_token_ids are masked (and stop strings ignored) until this many tokens
         were generated. In [0, max_tokens].
     logit_bias: {token id: bias} added to those logits before sampling (and before greedy's argmax).
+        Each bias in [-100, 100] (OpenAI's range): +-100 already forces or bans a token, and a larger
+        one would overflow float32 into inf, and inf - inf into NaN.
     allowed_token_ids: if given, every other token is masked out.
     include_stop_str_in_output: keep the matched stop string at the end of the output text.
     """
@@ -113,10 +116,11 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, Mapping)
-            and all(_is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items())
+            and all(_is_int(t) and t >= 0 and _is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for t, b in self.logit_bias.items())
         ):
-            raise ValueError(f"logit_bias must be a dict of token id (integer >= 0) to a finite number, "
-                             f"got {self.logit_bias!r}")
+            raise ValueError(f"logit_bias must be a dict of token id (integer >= 0) to a number in "
+                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
             and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)

@@ -179,6 +179,22 @@ def _offsets(params, output_token_ids, eos_token_id, vocab_size, device) -> torc
     return logit_offsets(params, [len(out) for out in output_token_ids], eos_token_id, vocab_size, device)
 
 
+class NothingToSample(ValueError):
+    """A row's allowed_token_ids, logit_bias and min_tokens leave no token that may be drawn."""
+
+
+def _check_samplable(logits: torch.Tensor) -> None:
+    """Refuse rows the processors left nothing to sample from (every entry -inf, e.g. allowed_token_ids
+    holding only EOS under min_tokens) or made non-finite: an argmax over them would return a token
+    the request forbade. The engine fails such a request alone (FinishReason.ERROR)."""
+    best = logits.amax(-1)
+    bad = ~torch.isfinite(best)
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()
+        raise NothingToSample(f"no token may be sampled in row(s) {rows}: allowed_token_ids, logit_bias and "
+                              "min_tokens (which masks EOS and stop_token_ids) leave none")
+
+
 class Sampler:
     """Picks one token per row of a logits batch, each row with its own SamplingParams.
 
@@ -198,6 +214,7 @@ class Sampler:
         logits = logits.float()
         if metadata.logit_offsets is not None:
             logits = logits + metadata.logit_offsets
+            _check_samplable(logits)
         if metadata.repetition_penalty is not None:
             logits = apply_penalties(
                 logits,
