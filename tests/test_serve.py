@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import httpx
@@ -227,6 +228,14 @@ def assert_error(response: httpx.Response, status: int, param, *words):
     ({"max_tokens": 4}, "prompt", ["prompt"]),
     ({"prompt": "Hi", "max_tokens": 5000}, "max_tokens", ["room"]),
     ({"prompt": "Hi " * 1100, "max_tokens": 4}, "prompt", ["tokens", "limit"]),
+    ({"prompt": "Hi", "stop": ["x"] * 17}, "stop", ["17 entries", "at most 16"]),
+    ({"prompt": "Hi", "stop": ["x" * 257]}, "stop", ["at most 256 characters", "257"]),
+    ({"prompt": "Hi", "stop_token_ids": list(range(17))}, "stop_token_ids", ["at most 16"]),
+    ({"prompt": "Hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", ["301 entries", "at most 300"]),
+    ({"prompt": "Hi", "allowed_token_ids": list(range(5000))}, "allowed_token_ids", ["at most 4096"]),
+    ({"prompt": "Hi", "logit_bias": {"7": 1e300}, "allowed_token_ids": [5]}, "logit_bias", ["[-100, 100]"]),
+    ({"prompt": "Hi", "logit_bias": {"x": 1}}, "logit_bias", ["strings of digits"]),
+    ({"prompt": "Hi", "min_tokens": 5, "max_tokens": 4}, "min_tokens", ["min_tokens"]),
 ])
 def test_bad_completion_requests_get_openai_errors_naming_the_field(tiny_server, body, param, words):
     server, _ = tiny_server
@@ -659,4 +668,104 @@ def test_fuzzed_requests_are_answered_or_refused_in_openai_shape_never_a_server_
     else:
         assert 400 <= response.status_code < 500, response.text
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert_engine_idle(llm)
+
+
+# --- bounded by construction ----------------------------------------------------------------------------------
+
+def test_a_request_the_engine_could_never_sample_is_refused_with_a_400(tiny_server):
+    server, llm = tiny_server
+    body = {"prompt": "Hi", "allowed_token_ids": [llm.eos_token_id], "min_tokens": 2, "max_tokens": 4}
+    assert_error(post(server, "/v1/completions", json.dumps(body).encode()), 400, None, "min_tokens=2 masks")
+    with pytest.raises(openai.BadRequestError, match="no token could be sampled"):
+        client(server).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4,
+                                          extra_body={"allowed_token_ids": [llm.eos_token_id], "min_tokens": 2})
+    with pytest.raises(openai.BadRequestError, match="at most 16"):
+        client(server).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, stop=["a"] * 100)
+    assert_engine_idle(llm)
+
+
+def test_streams_whose_clients_left_while_queued_are_aborted_before_their_prefill():
+    """One seat, taken by a long request: five streams queue behind it and their clients hang up. They
+    leave the queue at once, while the long request still runs, so none of them is ever prefilled."""
+    llm = tiny_llm(max_num_seqs=1)
+    with no_leaked_threads(), serve(llm) as server:
+        engine = server.app.state.engine
+        host, port = server.url[7:].split(":")
+        long = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with socket.create_connection((host, int(port)), timeout=10) as first:
+            first.sendall(request_bytes(server, "/v1/completions", long))
+            read_events(first, 2)
+            (running,) = llm.scheduler.running
+            queued = [socket.create_connection((host, int(port)), timeout=10) for _ in range(5)]
+            for i, sock in enumerate(queued):
+                sock.sendall(request_bytes(server, "/v1/completions", {**long, "prompt": f"Queued {i}"}))
+            wait_until(lambda: engine.num_waiting == 5, what="five requests to queue")
+            for sock in queued:
+                sock.close()
+            wait_until(lambda: engine.num_waiting == 0, timeout=10, what="the queued requests to be aborted")
+            assert llm.scheduler.running == [running] and not running.is_finished  # the long one still runs
+        assert_engine_idle(llm)
+        assert metrics(server)['labkit_requests_total{finished_reason="abort"}'] == 6
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (reading whatever it sends meanwhile)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_slow_and_silent_connections_are_closed_and_the_connection_count_is_bounded():
+    """Bounded loops on 127.0.0.1 with one-second limits: connections that send half their headers, half
+    their body, or nothing, and a keep-alive connection left idle, are all closed; past the connection
+    limit a request gets 503; and the server still answers afterwards."""
+    llm = tiny_llm()
+    limits = Limits(read_timeout_s=1.0, keep_alive_s=1.0, max_connections=8)
+    with no_leaked_threads(), serve(llm, limits=limits) as server:
+        host, port = server.url[7:].split(":")
+        request = request_bytes(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        head, body = request.split(b"\r\n\r\n")
+        partial = {"silent": b"", "partial headers": head[:30], "partial body": head + b"\r\n\r\n" + body[:5]}
+        for kind, start in partial.items():
+            socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+            for sock in socks:
+                sock.sendall(start)
+            assert all(closed_within(sock, 5) for sock in socks), f"{kind} connections were left open"
+            for sock in socks:
+                sock.close()
+        # A request trickled in a byte at a time is cut off at the deadline too.
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            deadline, cut = time.monotonic() + 5, False
+            for byte in request:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    cut = True
+                    break
+                time.sleep(0.02)
+                if time.monotonic() > deadline:
+                    break
+            assert cut or closed_within(sock, 3)
+        # An idle keep-alive connection is closed after keep_alive_s.
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(request)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            assert closed_within(sock, 5)
+        # Past max_connections a request gets 503 (uvicorn's limit_concurrency).
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(8)]
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(request)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 503")
+        finally:
+            for sock in idle:
+                sock.close()
+        assert client(server).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices
     assert_engine_idle(llm)

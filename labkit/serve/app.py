@@ -112,7 +112,7 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         try:
-            parsed = parse_completion(await self._read_json(request), self.model_name)
+            parsed = parse_completion(await self._read_json(request), self.model_name, self.limits)
             prompt = parsed.prompt
             if isinstance(prompt, str):
                 ids = await self._tokenize(prompt, "prompt")
@@ -132,7 +132,7 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         try:
-            parsed = parse_chat(await self._read_json(request), self.model_name)
+            parsed = parse_chat(await self._read_json(request), self.model_name, self.limits)
             try:
                 text = self.llm.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
             except ValueError as error:  # e.g. the template refuses an order of roles
@@ -189,6 +189,10 @@ class _Server:
             raise RequestError(f"n={params.n} samples cannot run at once on this server (its max_num_seqs is "
                                f"{self.max_num_seqs})", "n")
         room = self.max_model_len - num_prompt_tokens
+        if params.min_tokens > room:
+            raise RequestError(f"min_tokens is {params.min_tokens} but the prompt's {num_prompt_tokens} tokens "
+                               f"leave room for {room} in this model's context of {self.max_model_len}",
+                               "min_tokens", code="context_length_exceeded")
         if not given:
             return replace(params, max_tokens=room)
         if params.max_tokens > room:
@@ -203,7 +207,9 @@ class _Server:
         deltas = self.engine.generate(answer.id, ids, params, stream)
         if not stream:
             return await _unless_disconnected(request, self._whole(answer, deltas, prefix))
-        first = await _first_delta(deltas)
+        # A stream may wait in the queue a while before its first token: a client that leaves meanwhile
+        # has its request aborted there, before its prompt is prefilled.
+        first = await _unless_disconnected(request, _first_delta(deltas))
         if isinstance(first, Response):
             return first
         return StreamingResponse(answer.events(first, deltas, prefix), media_type="text/event-stream",
@@ -229,8 +235,8 @@ async def _first_delta(deltas):
                                            code="queue_full"))
     except (EngineStopped, RequestFailed) as error:
         return error_response(_engine_error(error))
-    except ValueError as error:  # the engine refused it (e.g. it could never fit in the KV cache)
-        return error_response(RequestError(str(error), "max_tokens"))
+    except ValueError as error:  # the engine refused it (it could never fit in the KV cache, or sample a token)
+        return error_response(RequestError(str(error), None))
 
 
 def _engine_error(error: Exception) -> RequestError:
@@ -269,7 +275,14 @@ class _Answer:
         choices = [{"index": i, **self.choice("".join(texts[i]), True, logprobs.get(i, last[i].logprobs),
                                               len(prefix)), "finish_reason": last[i].finish_reason}
                    for i in sorted(last)]
-        return JSONResponse(self._envelope(self.kind, choices, usage=_usage(last.values())))
+        prompt = _prompt_logprobs(last[0].prompt_logprobs)
+        extra = {}
+        if prompt is not None:  # vLLM's places: on each completion choice, at the top of a chat answer
+            if self.kind == "text_completion":
+                choices = [{**choice, "prompt_logprobs": prompt} for choice in choices]
+            else:
+                extra["prompt_logprobs"] = prompt
+        return JSONResponse(self._envelope(self.kind, choices, usage=_usage(last.values()), **extra))
 
     async def events(self, first, deltas, prefix: str):
         """Server-sent events; leaving early (the client went away) closes `deltas`, which aborts the request."""
@@ -303,6 +316,11 @@ class _Answer:
         if text or delta.logprobs or delta.finish_reason is not None:
             choice = {"index": i, **self.choice(text, False, delta.logprobs, offsets[i]),
                       "finish_reason": delta.finish_reason}
+            prompt = _prompt_logprobs(delta.prompt_logprobs)
+            if prompt is not None and self.kind == "text_completion":
+                choice["prompt_logprobs"] = prompt
+            elif prompt is not None:
+                extra = {**extra, "prompt_logprobs": prompt}
             events.append(_event(self._envelope(chunk_kind, [choice], **extra)))
         offsets[i] += len(text)
         return events
@@ -353,6 +371,16 @@ def _token_logprob(entry) -> dict:
     return {"token": entry.decoded_token, "logprob": entry.logprob, "bytes": list(entry.decoded_token.encode())}
 
 
+def _prompt_logprobs(positions: list | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if position is None else {str(token): {"logprob": e.logprob, "rank": e.rank,
+                                                        "decoded_token": e.decoded_token}
+                                           for token, e in position.items()}
+            for position in positions]
+
+
 def _usage(finals) -> dict:
     """Every sample's tokens count: the prompt once, each of the n completions."""
     finals = list(finals)
@@ -365,14 +393,15 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _unless_disconnected(request: Request, answering) -> Response:
-    """Await a whole answer, but give up (aborting the request) if the client disconnects first."""
+async def _unless_disconnected(request: Request, answering):
+    """Await `answering` (a whole answer, or a stream's first delta), but give up (aborting the request)
+    if the client disconnects first: then a 499 response."""
     async def client_gone():
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
     async with anyio.create_task_group() as group:
-        result: list[Response] = []
+        result = []
 
         async def answer():
             result.append(await answering)

@@ -56,6 +56,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list | None = None  # the engine's PositionLogprobs of the tokens since the last delta, if asked
+    prompt_logprobs: list | None = None  # on sample 0's last delta, if asked: one per prompt token (None first)
 
 
 @dataclass
@@ -212,12 +213,12 @@ class EngineLoop:
         request = self._requests.pop(request_id, None)
         if request is None:
             return  # it had already finished
-        if request.engine_id is None:
+        if request.engine_id is None:  # still in the server's queue
             self._pending.remove(request_id)
         else:
             self._by_engine_id.pop(request.engine_id)
             self.llm.abort(request.engine_id)
-            self.metrics.aborted()
+        self.metrics.aborted()
 
     def _step(self) -> None:
         finished = {out.request_id: out for out in self.llm.step()}
@@ -253,7 +254,8 @@ class EngineLoop:
         if failed is not None:
             return [RequestFailed(f"the engine failed on this request: {failed.stop_reason}")]
         return [self._delta(request, sample, len(sample.text), finish_reason=_openai_reason(sample),
-                            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(sample.token_ids))
+                            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(sample.token_ids),
+                            prompt_logprobs=out.prompt_logprobs if sample.index == 0 else None)
                 for sample in out.outputs]
 
     def _shutdown(self) -> None:

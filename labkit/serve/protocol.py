@@ -14,8 +14,10 @@ Anything else is refused as OpenAI does: "Unrecognized request argument supplied
 """
 
 import json
+import sys
 from dataclasses import dataclass, replace
 
+from labkit.engine.llm import CHAT_ROLES
 from labkit.sampling import SamplingParams
 
 
@@ -31,13 +33,16 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# OpenAI name -> SamplingParams name. top_k, min_p, repetition_penalty, ignore_eos and stop_token_ids
-# are not OpenAI's but vLLM's extra fields (the openai client sends them through `extra_body`).
+# OpenAI name -> SamplingParams name. top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
+# min_tokens, allowed_token_ids, prompt_logprobs and include_stop_str_in_output are not OpenAI's but
+# vLLM's extra fields (the openai client sends them through `extra_body`).
 SAMPLING_FIELDS = {
     "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty", "seed": "seed",
     "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n",
+    "min_tokens": "min_tokens", "logit_bias": "logit_bias", "allowed_token_ids": "allowed_token_ids",
+    "prompt_logprobs": "prompt_logprobs", "include_stop_str_in_output": "include_stop_str_in_output",
 }
 # The legacy completions route's `logprobs` is a count (SamplingParams' own); the chat route's is a
 # switch, with the count in `top_logprobs`.
@@ -48,7 +53,6 @@ IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 # field -> (its "off" values, why it is refused otherwise)
 UNSUPPORTED = {
     "best_of": ((None, 1), "labkit's server returns every sample it draws (ask for n); best_of must be 1"),
-    "logit_bias": ((None, {}), "labkit's engine has no logit_bias"),
     "suffix": ((None, ""), "labkit's engine does not insert text (no suffix)"),
     "tools": ((None, []), "labkit's server has no tool calling"),
     "tool_choice": ((None, "none"), "labkit's server has no tool calling"),
@@ -60,7 +64,6 @@ UNSUPPORTED = {
     "prediction": ((None,), "labkit's engine has no predicted outputs"),
     "reasoning_effort": ((None,), "labkit's model is not a reasoning model"),
 }
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # None: whatever max_model_len leaves room for
     max_waiting: int = 256  # requests queued but not yet running; more get 503
+    max_stop: int = 16  # stop strings, and stop_token_ids, per request (the stop check runs on each every token)
+    max_stop_chars: int = 256  # characters in one stop string
+    max_logit_bias: int = 300  # logit_bias entries per request
+    max_allowed_token_ids: int = 4096  # allowed_token_ids entries per request
     read_timeout_s: float = 10.0  # a request's headers and body must arrive within this
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 256  # open connections; a request beyond them gets 503 (uvicorn's limit_concurrency)
@@ -109,7 +116,7 @@ class CompletionRequest:
     max_tokens_given: bool  # if not, the server fills max_tokens from the context left
 
 
-def parse_completion(body: dict, model_name: str) -> CompletionRequest:
+def parse_completion(body: dict, model_name: str, limits: Limits = Limits()) -> CompletionRequest:
     _check_fields(body, COMPLETION_FIELDS)
     _check_model(body, model_name)
     prompt = body.get("prompt")
@@ -127,7 +134,7 @@ def parse_completion(body: dict, model_name: str) -> CompletionRequest:
     else:
         raise RequestError(f"prompt must be a string or a list of token ids, got {_json_type(prompt)}", "prompt")
     echo = _bool(body, "echo")
-    params = _sampling(body)
+    params = _sampling(body, limits)
     if body.get("logprobs") is not None:
         params = _with_logprobs(params, body["logprobs"], "logprobs")
     return CompletionRequest(prompt, params, _bool(body, "stream"), _include_usage(body), echo,
@@ -144,7 +151,7 @@ class ChatRequest:
     top_logprobs: int | None  # None: no logprobs asked
 
 
-def parse_chat(body: dict, model_name: str) -> ChatRequest:
+def parse_chat(body: dict, model_name: str, limits: Limits = Limits()) -> ChatRequest:
     _check_fields(body, CHAT_FIELDS)
     _check_model(body, model_name)
     messages = body.get("messages")
@@ -160,7 +167,7 @@ def parse_chat(body: dict, model_name: str) -> ChatRequest:
             raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
         checked.append({"role": "system" if role == "developer" else role,
                         "content": _message_text(message.get("content"), f"{where}.content")})
-    params, top_logprobs = _sampling(body), None
+    params, top_logprobs = _sampling(body, limits), None
     if _bool(body, "logprobs"):
         top_logprobs = body.get("top_logprobs") or 0
         params = _with_logprobs(params, top_logprobs, "top_logprobs")
@@ -210,7 +217,7 @@ def _check_model(body: dict, model_name: str) -> None:
                            status=404, code="model_not_found")
 
 
-def _sampling(body: dict) -> SamplingParams:
+def _sampling(body: dict, limits: Limits) -> SamplingParams:
     """SamplingParams from the body; each field is checked on its own so the error names it."""
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
@@ -221,15 +228,47 @@ def _sampling(body: dict) -> SamplingParams:
             continue
         if name == "stop" and isinstance(value, str):
             value = [value]
+        if name == "logit_bias":
+            value = _logit_bias(value)
+        _check_size(name, value, limits)
+        # min_tokens alone is checked against any max_tokens (the server may fill max_tokens in later).
+        alone = {field: value, **({"max_tokens": sys.maxsize} if field == "min_tokens" else {})}
         try:
-            SamplingParams(**{field: value})
+            SamplingParams(**alone)
         except (TypeError, ValueError) as error:
             message = str(error)
             if field != name:
                 message = f"{name}: {message}"
             raise RequestError(message, name) from None
         kwargs[field] = value
-    return SamplingParams(**kwargs)
+    if "max_tokens" not in kwargs:  # a stand-in the server replaces by what the context leaves
+        kwargs["max_tokens"] = max(kwargs.get("min_tokens", 0), 1)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as error:  # fields that disagree, e.g. min_tokens above max_tokens: the message names one
+        name = str(error).split()[0]
+        raise RequestError(str(error), name if name in SAMPLING_FIELDS else None) from None
+
+
+def _logit_bias(value):
+    """OpenAI's logit_bias: JSON object keys are strings, so token ids come as "1234"."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isdecimal() and len(k) < 10 for k in value):
+        raise RequestError("logit_bias must map token ids (as strings of digits, e.g. \"1234\") to a bias in "
+                           "[-100, 100]", "logit_bias")
+    return {int(k): v for k, v in value.items()}
+
+
+def _check_size(name: str, value, limits: Limits) -> None:
+    """The caps on what one request makes the engine check every token."""
+    caps = {"stop": limits.max_stop, "stop_token_ids": limits.max_stop, "logit_bias": limits.max_logit_bias,
+            "allowed_token_ids": limits.max_allowed_token_ids}
+    if name in caps and isinstance(value, (list, dict)) and len(value) > caps[name]:
+        raise RequestError(f"{name} has {len(value)} entries; this server takes at most {caps[name]}", name)
+    if name == "stop" and isinstance(value, list):
+        longest = max((len(s) for s in value if isinstance(s, str)), default=0)
+        if longest > limits.max_stop_chars:
+            raise RequestError(f"stop strings may be at most {limits.max_stop_chars} characters long, got one of "
+                               f"{longest}", name)
 
 
 def _max_tokens_given(body: dict) -> bool:
