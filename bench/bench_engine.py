@@ -234,7 +234,7 @@ def main():
         print(f"batch-1 decode labkit {fmt} {str(dtype).removeprefix('torch.')}: {speed:6.1f} tok/s "
               f"({speed / speeds['transformers']:.2f}x transformers fp32; {read / 1e6:.0f} MB read a token, "
               f"{speed * read / machine['bandwidth']:.0%} of the bandwidth bound; {linear_kernel(fmt, dtype)}; "
-              f"{'fused C decode step' if isinstance(engine.runner.decode_graphs, FusedDecoder) else 'eager decode'})")
+              f"{'fused C decode step' if isinstance(engine.runner.fast_path, FusedDecoder) else 'eager decode'})")
     print(f"batch-1 decode transformers fp32: {speeds['transformers']:6.1f} tok/s")
 
     cached = LLM(llm.model, tokenizer=llm.tokenizer, enable_prefix_caching=True)

@@ -191,7 +191,7 @@ def parity(section: Section, device, source: str, use_cuda_graph: bool, quick: b
     max_tokens = 6 if quick else 32
     llm = LLM(model, tokenizer=tokenizer, use_cuda_graph=use_cuda_graph, max_num_seqs=8,
               max_num_batched_tokens=512, max_model_len=512)
-    graphs = llm.runner.decode_graphs
+    graphs = llm.runner.fast_path
     section.lines.append(f"- KV cache: {llm.block_manager.num_blocks} blocks of {llm.block_manager.block_size}; "
                          f"CUDA graphs: {'sizes ' + str(graphs.sizes) if graphs else 'none'}")
     if use_cuda_graph:

@@ -20,7 +20,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def engine(request):
     llm = LLM("smollm2", device="cpu", weight_format="q4_1", dtype=request.param, max_num_seqs=4)
-    if not isinstance(llm.runner.decode_graphs, FusedDecoder):
+    if not isinstance(llm.runner.fast_path, FusedDecoder):
         pytest.skip(f"no fused decode here: {FusedDecoder.unsupported(llm.model, llm.storage)}")
     return llm
 
@@ -32,7 +32,7 @@ def test_fused_steps_are_as_close_to_the_fp32_model_as_the_eager_steps(engine):
     ~0.17), and that difference grows through 30 layers. What must hold is that the fused step is no
     further than the eager one from the dequantized fp32 model, run on the same tokens, and that it
     picks the fp32 model's token wherever that choice is clear."""
-    fused = engine.runner.decode_graphs
+    fused = engine.runner.fast_path
     steps = []
 
     def both(input_ids, positions, meta):
@@ -66,7 +66,7 @@ def dense_fp32():
 
 
 def test_the_engine_decodes_small_batches_fused_and_larger_ones_eagerly(engine):
-    fused, calls = engine.runner.decode_graphs, []
+    fused, calls = engine.runner.fast_path, []
     fused.run = lambda *args: calls.append(len(args[0])) or FusedDecoder.run(fused, *args)
     try:
         outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -81,7 +81,7 @@ def dense_engine(dtype: torch.dtype) -> LLM:
     """The engine's own dense model in `dtype`, its linears packed for a C GEMM (float32: AVX-512; bf16:
     AMX or AVX512-BF16) where this CPU has that kernel; skips the test where it does not."""
     llm = LLM("smollm2", device="cpu", dtype=dtype, max_num_seqs=16)
-    if not isinstance(llm.runner.decode_graphs, FusedDecoder):
+    if not isinstance(llm.runner.fast_path, FusedDecoder):
         pytest.skip(f"no fused decode here: {FusedDecoder.unsupported(llm.model, llm.storage)}")
     return llm
 
@@ -95,7 +95,7 @@ def test_a_float32_models_fused_steps_match_its_eager_steps(float32_engine):
     """Same packed GEMM, same order of sums in every linear: only the norms', rotary's and SiLU's float32
     arithmetic differs from torch's, so the logits agree to ~1e-4 (transformers' parity bound is 1e-3)
     and greedy decoding picks the same tokens, in batches larger than the quantized limit."""
-    llm, fused, distances = float32_engine, float32_engine.runner.decode_graphs, []
+    llm, fused, distances = float32_engine, float32_engine.runner.fast_path, []
 
     def both(input_ids, positions, meta):
         with torch.inference_mode():
@@ -114,11 +114,11 @@ def test_a_float32_models_fused_steps_match_its_eager_steps(float32_engine):
         del fused.run
     assert {rows for rows, _ in distances} == {MAX_ROWS + 3} and len(distances) == 5
     assert max(d for _, d in distances) < 1e-3, distances
-    llm.runner.decode_graphs = None
+    llm.runner.fast_path = None
     try:
         eager_outputs = llm.generate(prompts, params)
     finally:
-        llm.runner.decode_graphs = fused
+        llm.runner.fast_path = fused
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager_outputs]
     assert fused.fits(1024, 100) and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
@@ -129,7 +129,7 @@ def test_a_float32_models_prompt_chunk_and_mixed_steps_run_fused_as_its_eager_st
     and decodes sharing a step all give the eager step's logits to 1e-3, row for row."""
     shared = float32_engine
     llm = LLM(shared.model, tokenizer=shared.tokenizer, max_num_seqs=5, max_num_batched_tokens=24)
-    fused, kinds = llm.runner.decode_graphs, set()
+    fused, kinds = llm.runner.fast_path, set()
     assert fused.runs_prompts
 
     def both(input_ids, positions, meta):
@@ -154,7 +154,7 @@ def test_a_float32_models_prompt_chunk_and_mixed_steps_run_fused_as_its_eager_st
         del fused.forward_hidden
     assert {"prompt", "over a cached prefix", "decode", "mixed"} <= kinds, kinds
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-    llm.runner.decode_graphs = None
+    llm.runner.fast_path = None
     eager = llm.generate([story + " to the children", *PROMPTS, story * 2], params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager] and first[0].token_ids
 
@@ -170,7 +170,7 @@ def test_a_bfloat16_models_fused_steps_are_as_close_to_the_fp32_model_as_its_eag
     other. What must hold, for every sequence of a batch larger than the quantized limit, over its
     prompt step and its decode steps: the fused step is no further than the eager one from the float32
     model on the same tokens, and it picks the float32 model's token wherever that choice is clear."""
-    llm, fused, steps = bfloat16_engine, bfloat16_engine.runner.decode_graphs, []
+    llm, fused, steps = bfloat16_engine, bfloat16_engine.runner.fast_path, []
 
     def both(input_ids, positions, meta):
         with torch.inference_mode():
@@ -221,12 +221,12 @@ def test_models_and_pools_it_cannot_run_are_named(engine):
                                kv_cache_dtype="int8")
     assert "KV pool is quantized" in FusedDecoder.unsupported(engine.model, int8_pool)
     with pytest.raises(ValueError, match="cannot decode fused: the KV pool is quantized"):
-        FusedDecoder(engine.model, int8_pool)
-    assert LLM(dense_fp32(), tokenizer=engine.tokenizer, max_num_seqs=1).runner.decode_graphs is None
+        FusedDecoder(engine.model, int8_pool, engine.runner.backend)
+    assert LLM(dense_fp32(), tokenizer=engine.tokenizer, max_num_seqs=1).runner.fast_path is None
 
 
 def test_bad_steps_are_refused_before_the_c_code_runs(engine):
-    fused, ids, positions = engine.runner.decode_graphs, torch.tensor([1, 2]), torch.tensor([4, 4])
+    fused, ids, positions = engine.runner.fast_path, torch.tensor([1, 2]), torch.tensor([4, 4])
     meta = AttentionMetadata(torch.tensor([0, 1, 2]), torch.tensor([0, 5, 10]), 1, 5, torch.tensor([3, 7]),
                              torch.tensor([[0], [1]], dtype=torch.int32))
     with pytest.raises(ValueError, match="slots outside the pool"):
@@ -236,5 +236,5 @@ def test_bad_steps_are_refused_before_the_c_code_runs(engine):
     with pytest.raises(ValueError, match=f"up to {MAX_ROWS} sequences adding one token each"):
         fused.run(torch.ones(MAX_ROWS + 1, dtype=torch.long), torch.ones(MAX_ROWS + 1, dtype=torch.long), meta)
     assert not fused.runs_prompts  # a quantized model's prompts multiply faster as the eager dense GEMMs
-    with pytest.raises(ValueError, match=f"runs decode steps of up to {MAX_ROWS} sequences only"):
-        fused.forward_hidden(ids, positions, meta)
+    eager = engine.model.forward_hidden(ids, positions, meta, engine.runner.backend)
+    assert torch.equal(fused.forward_hidden(ids, positions, meta), eager)

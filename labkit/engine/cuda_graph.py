@@ -32,7 +32,7 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: in
 
 
 class DecodeGraphs:
-    runs_prompts = False  # decode-only steps; prompts run the eager model
+    """The CUDA `FastPath` (fast_path.py): decode steps replayed from graphs; other steps run eagerly."""
 
     def __init__(self, model, backend, sizes: list[int], max_blocks_per_seq: int, max_model_len: int):
         dev = model.device
@@ -65,6 +65,10 @@ class DecodeGraphs:
 
     def fits(self, num_seqs: int, width: int) -> bool:
         return num_seqs <= self.sizes[-1] and width <= self.block_tables.shape[1]
+
+    def forward_hidden(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """A prompt or mixed step: its shapes vary from step to step, so it runs eagerly."""
+        return self.model.forward_hidden(input_ids, positions, meta, self.backend)
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [B, vocab] of a decode-only step of B sequences (every row is sampled)."""

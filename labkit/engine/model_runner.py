@@ -24,6 +24,7 @@ import torch
 
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
+from labkit.engine.fast_path import FastPath
 from labkit.engine.sequence import Sequence
 from labkit.sampling import Sampler, SamplingMetadata, greedy_tokens
 
@@ -54,17 +55,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, storage: PagedKVStorage, backend, decode_graphs=None):
-        """`decode_graphs` runs decode-only steps it `fits` in one go: recorded CUDA graphs (cuda_graph.py),
-        or on a CPU the fused C step of a quantized or packed dense model (labkit/model/fused_decode.py),
-        which for a dense model also runs every other step (`runs_prompts`)."""
+    def __init__(self, model, storage: PagedKVStorage, backend, fast_path: FastPath | None = None):
+        """`fast_path` (fast_path.py), if any, runs the steps instead of the eager model."""
         self.model = model
         self.storage = storage
         self.block_size = storage.block_size
         self.backend = backend
         self.device = model.device
         self.sampler = Sampler()
-        self.decode_graphs = decode_graphs
+        self.fast_path = fast_path
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
                 num_scored: list[int] | None = None) -> StepInputs:
@@ -123,14 +122,14 @@ class ModelRunner:
         """One forward step: fp32 logits of the sequences due a next token (`num_scored` rows each,
         see `prepare`), and any prompt logits asked for."""
         step = self.prepare(seqs, num_new_tokens, num_scored)
-        graphs = self.decode_graphs
-        if (graphs is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)
-                and graphs.fits(len(seqs), step.meta.block_tables.shape[1])
+        fast = self.fast_path
+        if (fast is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)
+                and fast.fits(len(seqs), step.meta.block_tables.shape[1])
                 and not any(seq.needs_prompt_logprobs for seq in seqs)):
-            logits = graphs.run(step.input_ids, step.positions, step.meta)
+            logits = fast.run(step.input_ids, step.positions, step.meta)
             return ForwardOutput(step.sampled_seqs, logits.float(), [])
-        if graphs is not None and graphs.runs_prompts:
-            hidden = graphs.forward_hidden(step.input_ids, step.positions, step.meta)
+        if fast is not None:
+            hidden = fast.forward_hidden(step.input_ids, step.positions, step.meta)
         else:
             hidden = self.model.forward_hidden(step.input_ids, step.positions, step.meta, self.backend)
         # Sampling works in fp32 whatever the weights: a bf16 softmax over 49,152 entries loses the

@@ -9,9 +9,10 @@ residual stream in float32, and the linears the model already multiplies with: `
 the quantized formats (up to `MAX_ROWS` sequences; larger batches multiply faster as dense GEMMs),
 or `gemm_f32.c`'s packed GEMM (`PackedF32Linear`), the same kernel and order of sums as the eager
 step, or `gemm_bf16.c`'s bf16 GEMM (`PackedBf16Linear`: the eager bf16 step's kernel too, its inputs
-rounded to bf16 as the eager step's are, its residual kept in float32 as the others' is). It plugs
-into the engine where CUDA graphs do (`fits`, `run`: `ModelRunner.forward` replays a decode step
-through it). A dense model's fused step also runs prompt and mixed steps (`forward_hidden`), each
+rounded to bf16 as the eager step's are, its residual kept in float32 as the others' is). It is the
+CPU's `FastPath` (labkit/engine/fast_path.py), where CUDA graphs are the GPU's: `ModelRunner.forward`
+gives it the decode steps it `fits` (`run`) and every other step (`forward_hidden`). A dense model's
+fused step runs those too, prompts and mixed steps alike, each
 prompt row attending as a decode row over its causal prefix: in bf16 that cut the bench's prefill by
 about a quarter (the eager step's ~1,400 small torch ops, its padded and masked attention); in
 float32, where the GEMMs dominate, it measured even. A quantized model's prompts stay eager, where
@@ -107,7 +108,7 @@ def _weights_kind(model) -> str | None:
 
 class FusedDecoder:
     """A model's steps in one C call: decode steps (`run`; a quantized model: up to MAX_ROWS sequences)
-    and, for a dense model, any step (`forward_hidden`)."""
+    and, for a dense model, any step (`forward_hidden`; a quantized model's run eagerly)."""
 
     @staticmethod
     def unsupported(model, storage) -> str | None:
@@ -126,12 +127,12 @@ class FusedDecoder:
             return "the KV pool is quantized, not in the model's dtype, or not one the C decode kernel reads"
         return None
 
-    def __init__(self, model, storage):
+    def __init__(self, model, storage, backend):
         reason = self.unsupported(model, storage)
         if reason is not None:
             raise ValueError(f"this model cannot decode fused: {reason}")
         c = model.config
-        self.model, self.storage = model, storage
+        self.model, self.storage, self.backend = model, storage, backend
         self._norms = [(layer.input_layernorm.weight.float().contiguous(),
                         layer.post_attention_layernorm.weight.float().contiguous()) for layer in model.layers]
         layers = []
@@ -178,7 +179,7 @@ class FusedDecoder:
         attends, so the pool holds the prefix. Only a dense model's fused step takes prompts
         (`runs_prompts`): a quantized one multiplies more rows faster as the eager model's dense GEMMs."""
         if not self.runs_prompts:
-            raise ValueError(f"this fused step runs decode steps of up to {self.max_rows} sequences only")
+            return self.model.forward_hidden(input_ids, positions, meta, self.backend)
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be "
                              "one flat batch")
