@@ -228,31 +228,23 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, *, negative="multiply",
                per_occurrence=False, repetition_from="both", counted_from="output", frequency_counts=True,
-               rows="own", presence_sign=-1, order="repetition_first"):
+               rows="own", presence_sign=-1, subtract_first=False):
     """Each row's penalties applied with loops, the readable way; the switches make typical mistakes."""
     out = logits.clone()
-    for b in range(len(out)):
+    for b, row in enumerate(out):
         r = 0 if rows == "first" else b
         history = {"both": prompt_ids[b] + output_ids[b], "output": output_ids[b]}[repetition_from]
         generated = {"output": output_ids[b], "both": prompt_ids[b] + output_ids[b]}[counted_from]
-
-        def repeat(b=b, r=r, history=history):
-            for token in set(history):
-                for _ in range(history.count(token) if per_occurrence else 1):
-                    if out[b, token] > 0 or negative == "divide":
-                        out[b, token] = out[b, token] / repetition[r]
-                    else:
-                        out[b, token] = out[b, token] * repetition[r]
-
-        def subtract(b=b, r=r, generated=generated):
-            for token in set(generated):
-                count = generated.count(token) if frequency_counts else 1
-                out[b, token] -= frequency[r] * count
-                out[b, token] += presence_sign * presence[r]
-
-        steps = (repeat, subtract) if order == "repetition_first" else (subtract, repeat)
-        for step in steps:
-            step()
+        subtracted = {token: frequency[r] * (generated.count(token) if frequency_counts else 1)
+                      - presence_sign * presence[r] for token in set(generated)}
+        if subtract_first:
+            row[list(subtracted)] -= torch.tensor(list(subtracted.values()), dtype=row.dtype)
+        for token in set(history):
+            for _ in range(history.count(token) if per_occurrence else 1):
+                row[token] = row[token] / repetition[r] if row[token] > 0 or negative == "divide" \
+                    else row[token] * repetition[r]
+        if not subtract_first:
+            row[list(subtracted)] -= torch.tensor(list(subtracted.values()), dtype=row.dtype)
     return out
 
 
@@ -269,7 +261,7 @@ _PENALTY_MISTAKES = (
                                    "occurrence (times the count)"),
     (dict(presence_sign=1), "presence_penalty was added: subtract it, so that a positive penalty discourages"),
     (dict(rows="first"), "every row used the first row's penalties: each request brings its own"),
-    (dict(order="subtract_first"), "the penalties were applied in the wrong order: repetition_penalty first, on "
+    (dict(subtract_first=True), "the penalties were applied in the wrong order: repetition_penalty first, on "
                                    "the raw logits (its sign test reads them), then subtract frequency and presence"),
 )
 
