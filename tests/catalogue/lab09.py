@@ -57,9 +57,11 @@ def lookup_while(token_ids, block_size, hash_to_block, blocks):
 
 
 def take(uncached, cached, table, blocks, prefer_uncached=True, lru=True, drop_entry=True, pop=True, clear=True,
-         ref=True, lifo=False):
+         ref=True, lifo=False, ref_on_evict_only=False):
     if uncached and prefer_uncached:
         bid = uncached.pop() if lifo else uncached.popleft()
+        if ref_on_evict_only:
+            return bid
     else:
         bid = next(iter(cached)) if lru else next(reversed(cached))
         if pop:
@@ -98,9 +100,9 @@ def labkit_prefix_hits(token_ids, block_size, hash_to_block, blocks):
 
 
 def allocate(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached, revive_first=True,
-             unlink=True, share=True, cost="fresh+revived", check_early=True, answer="tokens"):
+             unlink=True, share=True, cost="fresh+revived", check_early=True, answer="tokens", floor_plus_one=False):
     hits = lookup(token_ids, block_size, hash_to_block, blocks)
-    needed = -(-len(token_ids) // block_size)
+    needed = len(token_ids) // block_size + 1 if floor_plus_one else -(-len(token_ids) // block_size)
     free = len(free_uncached) + len(free_cached)
     consumed = {"fresh+revived": needed - sum(blocks[b].ref_count > 0 for b in hits),
                 "all": needed, "fresh": needed - len(hits)}[cost]
@@ -150,7 +152,7 @@ def labkit_allocate(token_ids, block_size, hash_to_block, blocks, free_uncached,
 
 
 def release(block_table, hash_to_block, blocks, free_uncached, free_cached, *, reverse=True, shared_aware=True,
-            keep_cache=True, cache_partial=False, check_entry=True, clear=True):
+            keep_cache=True, cache_partial=False, check_entry=True, clear=True, clear_tokens=True):
     for block_id in (reversed(block_table) if reverse else block_table):
         block = blocks[block_id]
         block.ref_count = block.ref_count - 1 if shared_aware else 0
@@ -161,7 +163,8 @@ def release(block_table, hash_to_block, blocks, free_uncached, free_cached, *, r
             free_cached[block_id] = None
         else:
             if clear:
-                block.hash = block.token_ids = None
+                block.hash = None
+                block.token_ids = None if clear_tokens else block.token_ids
             free_uncached.append(block_id)
 
 
@@ -188,10 +191,11 @@ def labkit_release(block_table, hash_to_block, blocks, free_uncached, free_cache
 
 def append(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached, free_cached,
            cow=True, only_shared=True, direction="forward", every_shared=False, unref=True, add_missing=True,
-           count_copy=True, check_early=True):
-    index = num_computed // block_size
+           count_copy=True, check_early=True, copy_last=False, floor_plus_one=False):
+    index = len(block_table) - 1 if copy_last else num_computed // block_size
     shared = index < len(block_table) and (blocks[block_table[index]].ref_count > 1 or not only_shared)
-    missing = -(-num_tokens // block_size) - len(block_table)
+    needed = num_tokens // block_size + 1 if floor_plus_one else -(-num_tokens // block_size)
+    missing = needed - len(block_table)
     free = len(free_uncached) + len(free_cached)
     if check_early and missing + (shared and count_copy) > free:
         raise KVCacheExhausted(f"{missing + shared} blocks needed, {free} free")
@@ -296,6 +300,8 @@ WRONG = [
     Wrong("take_free_block", "takes the newest never-cached block", lambda *a: take(*a, lifo=True),
           "first never-cached free block"),
     Wrong("take_free_block", "clears the other cached blocks", greedy_take, "other cached blocks"),
+    Wrong("take_free_block", "hands out a never-cached block with ref_count 0",
+          lambda *a: take(*a, ref_on_evict_only=True), "handed out with ref_count 0"),
     Wrong("take_free_block", "calls BlockManager._take_free_block", lambda u, c, t, b: _labkit_take(u, c, t, b),
           "`_take_free_block`",
           calls="labkit.cache.block_manager.BlockManager._take_free_block"),
@@ -314,6 +320,8 @@ WRONG = [
     Wrong("allocate_blocks", "counts cached blocks, not tokens", lambda *a: allocate(*a, answer="blocks"),
           "counts tokens, not blocks"),
     Wrong("allocate_blocks", "returns only the table", lambda *a: allocate(*a)[0], "return (block_table"),
+    Wrong("allocate_blocks", "counts blocks as n // block_size + 1", lambda *a: allocate(*a, floor_plus_one=True),
+          "adds an empty block whenever n is a multiple"),
     Wrong("allocate_blocks", "calls BlockManager.allocate", labkit_allocate, "`allocate`",
           calls="labkit.cache.block_manager.BlockManager.allocate"),
     Wrong("release_blocks", "releases head first", lambda *a: release(*a, reverse=False),
@@ -328,6 +336,8 @@ WRONG = [
           "cannot reach is not cached"),
     Wrong("release_blocks", "keeps the old hash on an uncached block", lambda *a: release(*a, clear=False),
           "clear them"),
+    Wrong("release_blocks", "clears the hash but leaves token_ids", lambda *a: release(*a, clear_tokens=False),
+          "stale token_ids"),
     Wrong("release_blocks", "calls BlockManager.deallocate", labkit_release, "`deallocate`",
           calls="labkit.cache.block_manager.BlockManager.deallocate"),
     Wrong("append_blocks", "no copy-on-write", lambda *a: append(*a, cow=False), "no copy was made"),
@@ -343,6 +353,10 @@ WRONG = [
           "add the missing blocks"),
     Wrong("append_blocks", "does not count the copy", lambda *a: append(*a, count_copy=False), "count the copy"),
     Wrong("append_blocks", "checks after copying", lambda *a: append(*a, check_early=False), "pool changed"),
+    Wrong("append_blocks", "copies the table's last block", lambda *a: append(*a, copy_last=True),
+          "not the table's last block"),
+    Wrong("append_blocks", "counts blocks as n // block_size + 1", lambda *a: append(*a, floor_plus_one=True),
+          "adds an empty block whenever n is a multiple"),
     Wrong("append_blocks", "calls BlockManager.append", labkit_append, "`_missing_blocks`",
           calls="labkit.cache.block_manager.BlockManager._missing_blocks"),
 ]

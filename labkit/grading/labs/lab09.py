@@ -119,11 +119,18 @@ def take_free_block(ns):
     fn = require(ns, "take_free_block")
     blocks, table = _pool()
     free_cached = OrderedDict([(3, None), (1, None), (4, None)])  # 3 was freed longest ago
-    got = fn(deque([2, 0]), OrderedDict(free_cached), dict(table), blocks)
+    uncached = deque([2, 0])
+    got = fn(uncached, OrderedDict(free_cached), dict(table), blocks)
     if got in (3, 1, 4):
         raise ExerciseFailed("evicted a cached block while a never-cached block was free: use those first")
     if got != 2:
         raise ExerciseFailed(f"expected the first never-cached free block (2), got {got}")
+    if 2 in uncached:
+        raise ExerciseFailed("the taken never-cached block is still in free_uncached: take it out of the list")
+    if blocks[2].ref_count != 1:
+        raise ExerciseFailed(f"the never-cached block was handed out with ref_count {blocks[2].ref_count}: a taken "
+                             "block's ref_count should be 1 (its new owner), whichever free list it came from; at 0 "
+                             "the next release would drop it below zero")
     blocks, table = _pool()
     cached, uncached = OrderedDict(free_cached), deque()
     got = fn(uncached, cached, table, blocks)
@@ -214,6 +221,16 @@ def allocate_blocks(ns):
         pool.manager.check_invariants(pool.live + [BlockSequence("new", [], list(table))])
     except RuntimeError as broken:
         raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+
+    # 1b. a prompt that fills its blocks exactly: no empty block after them
+    pool = _Pool(8, bs, [])
+    table, _ = fn([1, 2, 3, 4, 5, 6], bs, *pool.args())
+    if len(table) == 4:
+        raise ExerciseFailed("6 tokens in blocks of 2 got 4 blocks: they fill exactly 3. The count is "
+                             "ceil(n / block_size) = -(-n // block_size); n // block_size + 1 adds an empty block "
+                             "whenever n is a multiple of block_size")
+    if len(table) != 3:
+        raise ExerciseFailed(f"6 tokens in blocks of 2 need 3 blocks, the table has {len(table)}")
 
     # 2. the prompt's first block sits in a freed, still cached block that LRU would evict first, and
     # no never-cached block is left
@@ -306,8 +323,9 @@ def release_blocks(ns):
     if sorted(free_uncached) != [3, 4] or sorted(free_cached) != [2, 9]:
         raise ExerciseFailed(f"expected free_uncached [4, 3] and free_cached [9, 2], got {list(free_uncached)} "
                              f"and {list(free_cached)}")
-    if blocks[3].hash is not None or blocks[4].token_ids is not None:
-        raise ExerciseFailed("a block freed as uncached still carries its old hash / tokens: clear them")
+    if blocks[3].hash is not None or blocks[3].token_ids is not None or blocks[4].token_ids is not None:
+        raise ExerciseFailed("a block freed as uncached still carries its old hash / tokens: clear them (both "
+                             "hash and token_ids; stale token_ids let a later lookup take other content for a hit)")
     if list(free_uncached) != [4, 3]:
         raise ExerciseFailed("release the table from its tail: the last block is freed first")
     if list(free_cached) != [9, 2] or entries != original_entries:
@@ -433,6 +451,25 @@ def append_blocks(ns):
     if after != before:
         raise ExerciseFailed("the pool changed before KVCacheExhausted was raised: check that the copy and the new "
                              "blocks fit before taking any block")
+    # 5. a prompt that fills its two blocks exactly, forked: the next token starts a new block, and the
+    # full shared blocks stay shared (the block written next is num_computed // block_size, not the last one)
+    bm, family = _forked(8, 4, 8, 1)
+    copies, table = _append_case(fn, bm, family[1], [70])
+    if isinstance(copies, str):
+        raise ExerciseFailed(f"raised {copies} for a sample whose 9th token starts a new block, with 6 blocks free")
+    if copies:
+        raise ExerciseFailed(f"copied {copies} although the next token (position 8, blocks of 4) lands in a new "
+                             "block: the block to copy is the one the next write lands in, block_table[num_computed "
+                             "// block_size], not the table's last block, and only when it is shared")
+    if len(table) != 3:
+        raise ExerciseFailed(f"9 tokens in blocks of 4 need 3 blocks, the table has {len(table)}")
+    # 6. two tokens that fill the last block exactly: no block is missing
+    bm, family = _forked(8, 4, 6, 0)
+    copies, table = _append_case(fn, bm, family[0], [71, 72])
+    if copies != [] or len(table) != 2:
+        raise ExerciseFailed(f"8 tokens in blocks of 4 fill exactly the 2 blocks held, got copies {copies} and table "
+                             f"{table}: the count is ceil(n / block_size) = -(-n // block_size); n // block_size + 1 "
+                             "adds an empty block whenever n is a multiple of block_size")
     return "copies only a shared write block, source to destination, adds missing blocks, all or nothing"
 
 
