@@ -42,7 +42,19 @@ class Allocator:
             needed = self.blocks_for(num_tokens)
         else:
             needed = self.blocks_for(self.lens[seq_id] + num_tokens) - len(self.tables[seq_id])
-        self.lens[seq_id] += num_tokens
+        if self.mistake == "count_first":  # the length grows before the check that may fail
+            self.lens[seq_id] += num_tokens
+        if self.mistake == "one_at_a_time":  # the lesson's order: take blocks until the pool runs dry
+            for _ in range(needed):
+                if not self.free:
+                    raise MemoryError("out of blocks")
+                self.tables[seq_id].append(self.free.pop(0))
+            self.lens[seq_id] += num_tokens
+            return self.tables[seq_id][len(self.tables[seq_id]) - needed:] or None
+        if needed > len(self.free):
+            raise MemoryError(f"{needed} blocks needed, {len(self.free)} free")
+        if self.mistake != "count_first":
+            self.lens[seq_id] += num_tokens
         new = [self.free.pop(0) for _ in range(needed)]
         self.tables[seq_id] += new
         return new or None
@@ -72,14 +84,21 @@ class SetAllocator:
         self.free, self.tables, self.tokens = set(range(total_blocks)), {}, {}
 
     def _grow(self, seq_id, tokens):
+        needed = math.ceil(tokens / self.block_size) - len(self.tables[seq_id])
+        if needed > len(self.free):
+            raise MemoryError(f"sequence {seq_id} needs {needed} more blocks")
         self.tokens[seq_id] = tokens
-        new = [self.free.pop() for _ in range(math.ceil(tokens / self.block_size) - len(self.tables[seq_id]))]
+        new = [self.free.pop() for _ in range(needed)]
         self.tables[seq_id].extend(new)
         return new
 
     def allocate_sequence(self, seq_id, length):
         self.tables[seq_id] = []
-        return list(self._grow(seq_id, length))
+        try:
+            return list(self._grow(seq_id, length))
+        except MemoryError:
+            del self.tables[seq_id]
+            raise
 
     def append_tokens(self, seq_id, num_tokens):
         return self._grow(seq_id, self.tokens[seq_id] + num_tokens) or None
@@ -200,41 +219,65 @@ def labkit_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
     return out * (torch.arange(out.shape[1])[None] < seq_lengths[:, None])[..., None, None]
 
 
-# ---- online_softmax_attention
+# ---- online_softmax_step
 
 
-def online(q, kb, vb, rescale=True, per_block=False, scale=True, normalise=True):
-    out, den = torch.zeros_like(q), torch.zeros(q.shape[:1], dtype=q.dtype)
-    m = torch.full(q.shape[:1], -math.inf, dtype=q.dtype)
-    factor = q.shape[-1] ** -0.5 if scale else 1.0
-    if per_block:
-        for k, v in zip(kb, vb, strict=True):
-            p = torch.softmax(torch.einsum("hd,bhd->hb", q, k) * factor, -1)
-            out = out + torch.einsum("hb,bhd->hd", p, v)
-        return out
-    for k, v in zip(kb, vb, strict=True):
-        s = torch.einsum("hd,bhd->hb", q, k) * factor
-        m_new = torch.maximum(m, s.max(-1).values)
-        p = torch.exp(s - m_new[:, None])
-        a = torch.exp(m - m_new) if rescale else torch.ones_like(m)
-        den, out, m = a * den + p.sum(-1), a[:, None] * out + torch.einsum("hb,bhd->hd", p, v), m_new
-    return out / den[:, None] if normalise else out
+def step(state, query, key_block, value_block, *, rescale="both", scale=True, running=True, normalise=False,
+         inverted=False, per_block=False, in_place=False):
+    """One block folded into (m, l, acc); the switches make typical mistakes."""
+    m, total, acc = state
+    s = torch.einsum("hd,bhd->hb", query, key_block) * (query.shape[-1] ** -0.5 if scale else 1.0)
+    m_new = torch.maximum(m, s.max(-1).values) if running else s.max(-1).values
+    p = torch.exp(s - m_new[:, None])
+    alpha = torch.exp(m_new - m) if inverted else torch.exp(m - m_new)
+    l_alpha = alpha if rescale in ("both", "l") else torch.ones_like(alpha)
+    acc_alpha = alpha if rescale == "both" else torch.ones_like(alpha)
+    total_new = l_alpha * total + p.sum(-1)
+    if per_block:  # each block's own softmax, added up
+        return m_new, total_new, acc + torch.einsum("hb,bhd->hd", torch.softmax(s, -1), value_block)
+    unnormalised = acc * total[:, None] if normalise else acc
+    acc_new = acc_alpha[:, None] * unnormalised + torch.einsum("hb,bhd->hd", p, value_block)
+    if normalise:  # keeps acc divided by l after every block
+        acc_new = acc_new / total_new[:, None]
+    if in_place:
+        m.copy_(m_new)
+        return m, total_new, acc_new
+    return m_new, total_new, acc_new
 
 
-def online_per_head_scalars(query, key_blocks, value_blocks):
-    heads, d = query.shape
-    out = torch.empty_like(query)
-    for h in range(heads):
-        m, total, acc = -math.inf, 0.0, torch.zeros(d, dtype=query.dtype)
-        for keys, values in zip(key_blocks, value_blocks, strict=True):
-            for key, value in zip(keys[:, h], values[:, h], strict=True):
-                score = float(query[h] @ key) / math.sqrt(d)
-                m_new = max(m, score)
-                total = total * math.exp(m - m_new) + math.exp(score - m_new)
-                acc = acc * math.exp(m - m_new) + math.exp(score - m_new) * value
-                m = m_new
-        out[h] = acc / total
-    return out
+def step_per_head_scalars(state, query, key_block, value_block):
+    """The recurrence one key at a time, per head, in Python floats."""
+    m, total, acc = (t.clone() for t in state)
+    for h in range(query.shape[0]):
+        mh, th, ah = float(m[h]), float(total[h]), acc[h].clone()
+        for key, value in zip(key_block[:, h], value_block[:, h], strict=True):
+            score = float(query[h] @ key) / math.sqrt(query.shape[-1])
+            m_new = max(mh, score)
+            th = th * math.exp(mh - m_new) + math.exp(score - m_new)
+            ah = ah * math.exp(mh - m_new) + math.exp(score - m_new) * value
+            mh = m_new
+        m[h], total[h], acc[h] = mh, th, ah
+    return m, total, acc
+
+
+SEEN: list = []
+
+
+def step_softmax_over_seen(state, query, key_block, value_block):
+    """Keeps the blocks aside and takes one softmax over all of them: no running state at all."""
+    if torch.isinf(state[0]).all():
+        SEEN.clear()
+    SEEN.append((key_block, value_block))
+    keys, values = torch.cat([k for k, _ in SEEN]), torch.cat([v for _, v in SEEN])
+    s = torch.einsum("hd,bhd->hb", query, keys) * query.shape[-1] ** -0.5
+    m = s.max(-1).values
+    p = torch.exp(s - m[:, None])
+    return m, p.sum(-1), torch.einsum("hb,bhd->hd", p, values)
+
+
+def step_via_labkit(state, query, key_block, value_block):
+    out = online_softmax_attention(query, [key_block], [value_block])
+    return state[0], state[1], out
 
 
 RIGHT = [
@@ -244,8 +287,8 @@ RIGHT = [
     Right("calculate_memory_savings", "loop accumulating per sequence", savings_per_sequence),
     Right("gather_kv_from_blocks", "vectorised block indexing", gather),
     Right("gather_kv_from_blocks", "token by token", gather_token_by_token),
-    Right("online_softmax_attention", "vectorised over heads", online),
-    Right("online_softmax_attention", "scalar recurrence per head and key", online_per_head_scalars),
+    Right("online_softmax_step", "vectorised over heads", step),
+    Right("online_softmax_step", "scalar recurrence per head and key", step_per_head_scalars),
 ]
 
 WRONG = [
@@ -291,16 +334,25 @@ WRONG = [
     Wrong("gather_kv_from_blocks", "returned a list per sequence", lambda *a: list(gather(*a)), "return a tensor"),
     Wrong("gather_kv_from_blocks", "calls labkit's gather_kv", labkit_gather, "`gather_kv`",
           calls="labkit.attention.reference.gather_kv"),
-    Wrong("online_softmax_attention", "no rescaling when the max grows", lambda *a: online(*a, rescale=False),
-          "rescale"),
-    Wrong("online_softmax_attention", "a softmax per block", lambda *a: online(*a, per_block=True), "its own softmax"),
-    Wrong("online_softmax_attention", "forgot the 1/sqrt(d) scale", lambda *a: online(*a, scale=False),
+    Wrong("SimpleBlockAllocator", "the length counted before the out-of-memory check", allocator_with("count_first"),
+          "still counted its 40 tokens"),
+    Wrong("SimpleBlockAllocator", "blocks taken one at a time until the pool runs dry (the lesson's order)",
+          allocator_with("one_at_a_time"), "kept the block it took"),
+    Wrong("online_softmax_step", "no rescaling when the max grows", lambda *a: step(*a, rescale="none"),
+          "not rescaled when the max grew"),
+    Wrong("online_softmax_step", "l rescaled, acc not", lambda *a: step(*a, rescale="l"), "acc was not"),
+    Wrong("online_softmax_step", "alpha inverted", lambda *a: step(*a, inverted=True), "inverted"),
+    Wrong("online_softmax_step", "forgot the 1/sqrt(d) scale", lambda *a: step(*a, scale=False),
           "not divided by sqrt(head_dim)"),
-    Wrong("online_softmax_attention", "never divides by the running sum", lambda *a: online(*a, normalise=False),
-          "divide the accumulator by the running sum"),
-    Wrong("online_softmax_attention", "kept a batch dimension", lambda *a: online(*a)[None],
-          "expected a [num_heads, head_dim]"),
-    Wrong("online_softmax_attention", "calls labkit's reference", lambda q, kb, vb: online_softmax_attention(q, kb, vb),
-          "`online_softmax_attention`",
+    Wrong("online_softmax_step", "m is the block's own max", lambda *a: step(*a, running=False), "running max"),
+    Wrong("online_softmax_step", "acc divided by l in every step", lambda *a: step(*a, normalise=True),
+          "divide once, after the last block"),
+    Wrong("online_softmax_step", "a softmax per block", lambda *a: step(*a, per_block=True), "its own softmax"),
+    Wrong("online_softmax_step", "blocks kept aside, one softmax over all seen", step_softmax_over_seen,
+          "keeping blocks aside"),
+    Wrong("online_softmax_step", "updates the given m in place", lambda *a: step(*a, in_place=True),
+          "changed the state it was given"),
+    Wrong("online_softmax_step", "returns only the output", lambda *a: step(*a)[2], "return the new state"),
+    Wrong("online_softmax_step", "calls labkit's reference", step_via_labkit, "`online_softmax_attention`",
           calls="labkit.attention.reference.online_softmax_attention"),
 ]

@@ -1,10 +1,10 @@
-"""Lab 07: PagedAttention — block allocator, memory-savings calculator, the gather, online softmax."""
+"""Lab 07: PagedAttention — block allocator (atomic on failure), memory-savings calculator, the gather, and the
+online softmax graded on its running state after every block."""
 
 import math
 
 import torch
 
-from labkit.attention.reference import online_softmax_attention
 from labkit.grading import ExerciseFailed, exercise, raised_type, require
 from labkit.grading.remote import RemoteError
 
@@ -51,7 +51,50 @@ def simple_block_allocator(ns):
     table = alloc.allocate_sequence(seq_id=3, length=144)  # 9 blocks: needs the freed ones
     if len(table) != 9:
         raise ExerciseFailed("freed blocks could not be allocated again")
-    return "blocks allocated on demand, reused after free, utilization = used / total blocks"
+    _fails_without_a_trace(cls)
+    return ("blocks allocated on demand, reused after free, utilization = used / total blocks; a request the pool "
+            "cannot meet raises MemoryError and changes nothing")
+
+
+def _raises_memory_error(call, what: str) -> None:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the student's code may raise anything
+        if raised_type(error) != "MemoryError":
+            raise ExerciseFailed(f"{what} raised {raised_type(error)}: raise MemoryError, checked before anything "
+                                 "changes") from None
+    else:
+        raise ExerciseFailed(f"{what} did not raise: when the pool has too few free blocks, raise MemoryError")
+
+
+def _fails_without_a_trace(cls) -> None:
+    """A failed append or allocation must leave the allocator as it was: the engine preempts another
+    sequence and retries the same request."""
+    alloc = cls(total_blocks=5, block_size=16)
+    alloc.allocate_sequence(seq_id=1, length=50)  # 4 blocks, 14 free slots in the last, 1 block free
+    _raises_memory_error(lambda: alloc.append_tokens(seq_id=1, num_tokens=40),
+                         "appending 40 tokens to 50 (2 more blocks, 1 free)")
+    util = alloc.get_utilization()
+    if isinstance(util, float | int) and math.isclose(util, 1.0):
+        raise ExerciseFailed("the failed append kept the block it took before the pool ran dry (utilization 1.0, was "
+                             "0.8), a leak the lesson's append_token_ids has too: count the blocks needed and check "
+                             "that many are free before taking any")
+    try:
+        new = alloc.append_tokens(seq_id=1, num_tokens=14)
+    except Exception as error:  # noqa: BLE001
+        new = raised_type(error)
+    if new:
+        raise ExerciseFailed(f"after the failed append, 14 tokens that fit the last block's free slots got {new!r}, "
+                             "not None: the failed append still counted its 40 tokens; change the length only once "
+                             "the blocks are there")
+    new = alloc.append_tokens(seq_id=1, num_tokens=1)
+    if not isinstance(new, list) or len(new) != 1:
+        raise ExerciseFailed(f"token 65 needs the one free block, got {new!r}")
+    _raises_memory_error(lambda: alloc.allocate_sequence(seq_id=2, length=20), "a new sequence in a full pool")
+    util = alloc.get_utilization()
+    if not isinstance(util, float | int) or not math.isclose(util, 1.0):
+        raise ExerciseFailed(f"a failed allocation changed the utilization ({util!r}, was 1.0): check before taking "
+                             "blocks")
 
 
 def _reference_savings(lengths, max_length, block_size, memory_per_token):
@@ -163,44 +206,113 @@ def gather_kv_from_blocks(ns):
     return "each sequence's tokens in order, zero-padded to the longest"
 
 
-def _softmax_attention(query, keys, values, scale):
-    weights = torch.softmax(torch.einsum("hd,bhd->hb", query, keys) * scale, -1)
-    return torch.einsum("hb,bhd->hd", weights, values)
+def _reference_state(query, key_blocks, value_blocks, scale=None, rescale=True, running=True):
+    """(m, l, acc) after these blocks: the running max of the scaled scores, the sum of exp(s - m), the
+    sum of exp(s - m) v. The keywords other than their defaults reproduce typical mistakes."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    m = torch.full(query.shape[:1], float("-inf"), dtype=query.dtype)
+    total, acc = torch.zeros_like(m), torch.zeros_like(query)
+    for k, v in zip(key_blocks, value_blocks, strict=True):
+        s = torch.einsum("hd,bhd->hb", query, k) * scale
+        m_new = torch.maximum(m, s.max(-1).values) if running else s.max(-1).values
+        p = torch.exp(s - m_new[:, None])
+        alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        m, total, acc = m_new, alpha * total + p.sum(-1), alpha[:, None] * acc + torch.einsum("hb,bhd->hd", p, v)
+    return m, total, acc
 
 
-@exercise("07", "online_softmax_attention", forbidden=("labkit.attention.reference.online_softmax_attention",
-                                                      "labkit.grading.labs.lab07._softmax_attention"))
-def online_softmax(ns):
-    fn = require(ns, "online_softmax_attention")
+def _blocks(g, n, scales):
+    keys = [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) * s for s in scales]
+    return keys, [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+@exercise("07", "online_softmax_step", forbidden=("labkit.attention.reference.online_softmax_attention",
+                                                 "labkit.grading.labs.lab07._reference_state"))
+def online_softmax_step(ns):
+    step = require(ns, "online_softmax_step")
     g = torch.Generator().manual_seed(3)
-    query = torch.randn(4, 16, generator=g, dtype=torch.float64) * 4
-    key_blocks = [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) for _ in range(3)]
-    value_blocks = [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) for _ in range(3)]
-    got = fn(query, key_blocks, value_blocks)
-    want = online_softmax_attention(query, key_blocks, value_blocks)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        raise ExerciseFailed(f"expected a [num_heads, head_dim] = {tuple(want.shape)} tensor")
-    per_block = sum(
-        torch.einsum("hb,bhd->hd", torch.softmax(torch.einsum("hd,bhd->hb", query, k) / 4, -1), v)
-        for k, v in zip(key_blocks, value_blocks, strict=True)
-    )
-    if torch.allclose(got, per_block, atol=1e-6):
-        raise ExerciseFailed("each block got its own softmax: the weights must be normalized over all keys")
-    keys, values = torch.cat(key_blocks), torch.cat(value_blocks)
-    if torch.allclose(got, _softmax_attention(query, keys, values, 1.0), atol=1e-6):
-        raise ExerciseFailed("scores were not divided by sqrt(head_dim)")
-    if not torch.allclose(got, want, atol=1e-6) and torch.allclose(got / got.norm(dim=-1, keepdim=True),
-                                                                   want / want.norm(dim=-1, keepdim=True), atol=1e-6):
-        raise ExerciseFailed("each head's output is off by a factor: divide the accumulator by the running sum "
-                             "l at the end (and rescale both by exp(m_old - m_new) as the max grows)")
-    if not torch.allclose(got, want, atol=1e-6):
-        raise ExerciseFailed(f"differs from softmax attention over all keys (max abs diff "
-                             f"{(got - want).abs().max():.2e}); rescale l and acc by exp(m_old - m_new)")
-    with torch.no_grad():
-        single = fn(query[:, :], key_blocks[:1], value_blocks[:1])
-    if not torch.allclose(single, online_softmax_attention(query, key_blocks[:1], value_blocks[:1]), atol=1e-6):
-        raise ExerciseFailed("wrong with a single block")
-    return "one pass over the blocks equals softmax over all keys"
+    query = torch.randn(4, 16, generator=g, dtype=torch.float64) * 2
+    keys, values = _blocks(g, 4, (0.5, 1.0, 3.0, 0.5))  # the max grows at blocks 1 and 2, not at 3
+    early_keys, early_values = _blocks(g, 2, (1.0, 2.0))  # blocks the step never sees
+    _fold(step, query, keys, values, [], [], _reference_state(query, [], []), "")
+    early = _reference_state(query, early_keys, early_values)
+    _fold(step, query, keys[:2], values[:2], early_keys, early_values, early,
+          "right from the empty state, wrong from a state that stands for earlier blocks: fold the new block into "
+          "the (m, l, acc) you are given, which carries every block before it (the check never shows you those); "
+          "keeping blocks aside and taking a softmax over all of them is not the online softmax")
+    return "m, l and acc right after every block, from the empty state and from the state of blocks it never saw"
+
+
+def _fold(step, query, keys, values, early_keys, early_values, state, from_given: str) -> None:
+    """Feed the blocks one at a time from `state` (that of the early blocks), comparing the state after each."""
+    for i in range(len(keys)):
+        given = tuple(t.clone() for t in state)
+        got = step(state, query, keys[i], values[i])
+        if any(not torch.equal(a, b) for a, b in zip(given, state, strict=True)):
+            raise ExerciseFailed("the step changed the state it was given (in place): return new tensors")
+        if not (isinstance(got, tuple | list) and len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got)):
+            raise ExerciseFailed(f"return the new state as a tuple (m, l, acc) of tensors, got {type(got).__name__}")
+        if [tuple(t.shape) for t in got] != [(4,), (4,), (4, 16)]:
+            raise ExerciseFailed(f"expected m [num_heads], l [num_heads], acc [num_heads, head_dim] = (4,), (4,), "
+                                 f"(4, 16); got {[tuple(t.shape) for t in got]}")
+        seen_k, seen_v = early_keys + keys[:i + 1], early_values + values[:i + 1]
+        want = _reference_state(query, seen_k, seen_v)
+        if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9) for a, b in zip(got, want, strict=True)):
+            state = tuple(got)
+            continue
+        if from_given:
+            raise ExerciseFailed(from_given)
+        after = (keys[i + 1], values[i + 1]) if i + 1 < len(keys) else None
+        raise ExerciseFailed(_step_mistake(query, seen_k, seen_v, state, got, want, i, step, after))
+
+
+def _step_mistake(query, keys, values, before, got, want, i, step, after) -> str:
+    """Name the mistake from the state the step returned after block i (and, where one block cannot tell two
+    mistakes apart, from the state it returns after the next block, `after`)."""
+    m, total, acc = got
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-9, atol=1e-9)  # noqa: E731
+    where = f"after block {i}"
+    if close(m, _reference_state(query, keys, values, scale=1.0)[0]):
+        return f"{where}: scores were not divided by sqrt(head_dim): s = q . k / sqrt(d)"
+    if not close(m, want[0]):
+        if close(m, _reference_state(query, keys[-1:], values[-1:])[0]):
+            return (f"{where}: m is this block's max only: it is the running max, max(m_old, the block's largest "
+                    "score)")
+        return f"{where}: m should be the largest scaled score so far (the running max)"
+    if torch.isnan(total).any() or torch.isnan(acc).any():
+        return (f"{where}: NaN in l or acc: before the first block m_old = -inf, so alpha = exp(m_old - m_new) = 0; "
+                "an inverted exp(m_new - m_old) is inf, and inf * 0 is NaN")
+    if not close(total, want[1]) and close(total, _reference_state(query, keys, values, rescale=False)[1]):
+        return (f"{where}: l and acc were not rescaled when the max grew: multiply both by alpha = exp(m_old - m_new) "
+                "before adding the block")
+    alpha = torch.exp(before[0] - want[0])
+    added_l, added_acc = want[1] - alpha * before[1], want[2] - alpha[:, None] * before[2]  # the block's own terms
+    if not close(total, want[1]) and close(total, before[1] / alpha + added_l):
+        return f"{where}: alpha is inverted: it is exp(m_old - m_new), at most 1"
+    if close(total, want[1]) and close(acc, before[2] + added_acc):
+        return f"{where}: l was rescaled but acc was not: multiply acc by alpha = exp(m_old - m_new) as well"
+    per_block = (f"{where}: each block got its own softmax: the weights must be normalized over all keys, through "
+                 "m and l")
+    if close(total, want[1]) and close(acc, want[2] / want[1][:, None]):
+        if i == 0 and after is not None:  # after one block, a softmax per block and a normalized acc agree
+            nxt = step(tuple(got), query, *after)
+            if isinstance(nxt, tuple | list) and len(nxt) == 3 and isinstance(nxt[2], torch.Tensor) and \
+                    nxt[2].shape == acc.shape and close(nxt[2], _per_block(query, keys + [after[0]],
+                                                                           values + [after[1]])):
+                return per_block.replace("block 0", "block 1")
+        return (f"{where}: acc was divided by l inside the step: keep acc the unnormalized sum of exp(s - m) v and "
+                "divide once, after the last block")
+    if close(acc, _per_block(query, keys, values)):
+        return per_block
+    if not close(total, want[1]):
+        return f"{where}: m is right but l is not: l = alpha * l_old + sum(exp(s - m_new)) over the block"
+    return f"{where}: m and l are right but acc is not: acc = alpha * acc_old + sum(exp(s - m_new) v) over the block"
+
+
+def _per_block(query, keys, values):
+    scale = query.shape[-1] ** -0.5
+    return sum(torch.einsum("hb,bhd->hd", torch.softmax(torch.einsum("hd,bhd->hb", query, k) * scale, -1), v)
+               for k, v in zip(keys, values, strict=True))
 
 
 @exercise("07", "knowledge_check")
