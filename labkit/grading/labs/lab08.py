@@ -214,7 +214,8 @@ def _paged_case(q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, se
             block = int(tables[s, t // block_size])
             if block >= 0:
                 k_cache[block, t % block_size], v_cache[block, t % block_size] = 30.0, 30.0
-    blocks = k_cache.shape[0]  # junk after the cache: room for a kernel that takes blocks of 4 for blocks of 16
+    blocks = k_cache.shape[0]  # junk after the cache, 4 caches long: a kernel striding by 16-token blocks over
+    # blocks of 4 stays inside the buffer
     bufs = [torch.full((1 + 5 * blocks, *k_cache.shape[1:]), 30.0) for _ in "kv"]
     for buf, cache in zip(bufs, (k_cache, v_cache), strict=True):
         buf[1:1 + blocks] = cache
