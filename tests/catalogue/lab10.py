@@ -31,11 +31,12 @@ def labkit_can_append(num_tokens, num_blocks_held, block_size, num_free_blocks):
     return manager.can_append(seq)
 
 
-def schedule(running, waiting, budget, max_seqs, free, order=None, skip=False, chunk=True, decode_first=True):
+def schedule(running, waiting, budget, max_seqs, free, order=None, skip=False, chunk=True, decode_first=True,
+             subtract=True, seats=True):
     plan = [(r, 1) for r in running] if decode_first else []
     left = budget - len(plan)
     for req in sorted(waiting, key=order or (lambda r: (-r.priority, r.arrival))):
-        if left == 0 or len(plan) + (0 if decode_first else len(running)) >= max_seqs:
+        if left == 0 or (seats and len(plan) + (0 if decode_first else len(running)) >= max_seqs):
             break
         if req.blocks > free or (not chunk and req.prompt_len > left):
             if skip:
@@ -43,7 +44,7 @@ def schedule(running, waiting, budget, max_seqs, free, order=None, skip=False, c
             break
         plan.append((req.id, min(req.prompt_len, left)))
         left -= plan[-1][1]
-        free -= req.blocks
+        free -= req.blocks if subtract else 0
     return plan
 
 
@@ -182,6 +183,9 @@ WRONG = [
     Wrong("schedule_step", "holds back a prompt longer than the budget", lambda *a: schedule(*a, chunk=False),
           "chunked prefill"),
     Wrong("schedule_step", "ignores the token budget", no_budget, "more than the budget"),
+    Wrong("schedule_step", "forgets to subtract the blocks it gave", lambda *a: schedule(*a, subtract=False),
+          "subtract them before the next request"),
+    Wrong("schedule_step", "ignores max_num_seqs", lambda *a: schedule(*a, seats=False), "more than max_num_seqs"),
     Wrong("schedule_step", "imports the grader's reference", lambda *a: reference_schedule_step(*a),
           "`reference_schedule_step`",
           calls="labkit.grading.labs.lab10.reference_schedule_step"),
