@@ -8,8 +8,10 @@ Every server binds 127.0.0.1 on a free port in a thread of this process and is s
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -24,9 +26,11 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import MODEL_NAME, assert_engine_idle, server_threads, tiny_llm, wait_until
 
+import labkit
 from labkit.__main__ import main as labkit_main
 from labkit.sampling import SamplingParams
 from labkit.serve import protocol
+from labkit.serve.access import Access
 from labkit.serve.app import create_app
 from labkit.serve.protocol import Limits
 from labkit.serve.server import ServerThread
@@ -299,8 +303,8 @@ def test_huge_bodies_and_prompts_are_refused_before_they_are_read(tiny_server):
     # A Content-Length over the limit is refused from the headers alone: the body is never sent.
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (50 * limit))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (host.encode(), 50 * limit))
         reply = b""
         while b"}}" not in reply and (piece := sock.recv(65536)):
             reply += piece
@@ -769,3 +773,159 @@ def test_slow_and_silent_connections_are_closed_and_the_connection_count_is_boun
                 sock.close()
         assert client(server).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices
     assert_engine_idle(llm)
+
+
+# --- access control -------------------------------------------------------------------------------------------
+
+def raw(server, method: str, path: str, body: bytes = b"", **headers) -> httpx.Response:
+    return httpx.request(method, server.url + path, content=body or None, headers=headers, trust_env=False,
+                         timeout=60)
+
+
+def test_an_api_key_guards_the_api_and_metrics_but_not_health():
+    llm = tiny_llm()
+    with no_leaked_threads(), serve(llm, access=Access(api_key="s3cret-key")) as server:
+        with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+            client(server).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+        keyed = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret-key", max_retries=0, timeout=60)
+        assert keyed.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices
+        assert [m.id for m in keyed.models.list().data] == [MODEL_NAME]
+        for method, path in [("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/tokenize"),
+                             ("POST", "/detokenize"), ("POST", "/v1/chat/completions")]:
+            for given in ({}, {"Authorization": "Bearer s3cret-kex"}, {"Authorization": "s3cret-key"}):
+                error = assert_error(raw(server, method, path, b'{"prompt": "Hi"}', **given), 401, None, "API key")
+                assert error["code"] == "invalid_api_key"
+        assert raw(server, "GET", "/metrics", Authorization="Bearer s3cret-key").status_code == 200
+        assert raw(server, "GET", "/health").status_code == 200 and raw(server, "GET", "/version").status_code == 200
+        # No request that was refused reached the engine.
+        assert llm.metrics.num_finished == 1
+    assert_engine_idle(llm)
+
+
+def test_foreign_hosts_and_origins_are_refused_unless_allowed_and_cors_is_off_by_default(tiny_server):
+    """A page on another origin may send a simple text/plain POST (no preflight): it is refused before it
+    runs. A DNS-rebound page names its own domain in Host: refused too."""
+    server, llm = tiny_server
+    port = server.url.rsplit(":", 1)[1]
+    body = b'{"prompt": "Hi", "max_tokens": 2}'
+    steps = llm.metrics.num_steps
+    error = assert_error(raw(server, "POST", "/v1/completions", body, **{"Content-Type": "text/plain",
+                                                                         "Origin": "http://evil.example"}),
+                         403, None, "http://evil.example", "--allowed-origins")
+    assert error["code"] == "origin_not_allowed"
+    error = assert_error(raw(server, "POST", "/v1/completions", body, Host=f"rebound.example:{port}"), 400, None,
+                         "rebound.example", "DNS rebinding")
+    assert error["code"] == "host_not_allowed" and llm.metrics.num_steps == steps  # neither ran
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert raw(server, "POST", "/v1/completions", body, Host=host).status_code == 200
+    same = raw(server, "POST", "/v1/completions", body, Origin=server.url)  # a page the server itself served
+    assert same.status_code == 200 and "access-control-allow-origin" not in same.headers
+    preflight = raw(server, "OPTIONS", "/v1/completions", **{"Origin": "http://app.example",
+                                                             "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_allowed_origins_and_hosts_open_cors_and_other_names():
+    llm = tiny_llm()
+    access = Access(allowed_hosts=("inference.lab",), allowed_origins=("http://app.example",))
+    with no_leaked_threads(), serve(llm, access=access) as server:
+        preflight = raw(server, "OPTIONS", "/v1/completions", **{
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+        answer = raw(server, "POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}',
+                     **{"Origin": "http://app.example", "Content-Type": "application/json"})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://app.example"
+        assert raw(server, "POST", "/v1/completions", b'{"prompt": "Hi"}', Origin="http://evil.example"
+                   ).status_code == 403
+        assert raw(server, "GET", "/health", Host="inference.lab:80").status_code == 200
+        assert raw(server, "GET", "/health", Host="other.lab").status_code == 400
+    assert_engine_idle(llm)
+
+
+def test_listening_beyond_loopback_without_a_key_warns(capsys, monkeypatch):
+    monkeypatch.delenv("LABKIT_API_KEY", raising=False)
+    for argv, warned in ([["--host", "0.0.0.0"], True], [["--host", "0.0.0.0", "--api-key", "k"], False],
+                         [["--host", "127.0.0.1"], False], [["--host", "::1"], False]):
+        with pytest.raises(Exception):  # noqa: B017, PT011 - the model does not exist: it stops right after the check
+            labkit_main(["serve", "--model", "/nonexistent/model.gguf", *argv])
+        assert ("WARNING: listening on 0.0.0.0" in capsys.readouterr().err) == warned, argv
+
+
+# --- vLLM's request fields and endpoints ------------------------------------------------------------------------
+
+def test_vllm_sampling_fields_match_the_offline_engine(tiny_server):
+    server, llm = tiny_server
+    oracle = tiny_llm()
+    prompt, c = "The capital of France is", client(server)
+    free = oracle.generate(prompt, GREEDY)[0].token_ids
+    cases = [
+        ({"min_tokens": 8, "max_tokens": 8}, SamplingParams(temperature=0, max_tokens=8, min_tokens=8)),
+        ({"allowed_token_ids": free[:2] + [oracle.eos_token_id]},
+         SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=free[:2] + [oracle.eos_token_id])),
+        ({"stop_token_ids": [free[2]]}, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[free[2]])),
+        ({"logit_bias": {str(free[0]): -100, "42": 7.5}},
+         SamplingParams(temperature=0, max_tokens=8, logit_bias={free[0]: -100, 42: 7.5})),
+    ]
+    for extra, params in cases:
+        expected = oracle.generate(prompt, params)[0]
+        bias = extra.pop("logit_bias", None)
+        out = c.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=8, logit_bias=bias,
+                                   extra_body=extra)
+        assert out.choices[0].text == expected.text and out.usage.completion_tokens == len(expected.token_ids)
+    # prompt_logprobs: vLLM's shape, per prompt token after the first, {token id: {logprob, rank, decoded_token}}.
+    expected = oracle.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    out = c.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=2,
+                               extra_body={"prompt_logprobs": 2})
+    got = out.choices[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(expected.prompt_token_ids)
+    for position, want in zip(got[1:], expected.prompt_logprobs[1:], strict=True):
+        assert position == {str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
+                            for t, e in want.items()}
+    chat = c.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    # Usage in a stream (stream_options.include_usage): a last chunk with no choices.
+    chunks = list(c.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=8, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert_engine_idle(llm)
+
+
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(tiny_server):
+    server, llm = tiny_server
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt)
+    answer = post(server, "/tokenize", json.dumps({"model": MODEL_NAME, "prompt": prompt}).encode()).json()
+    assert answer == {"count": len(ids), "max_model_len": 1024, "tokens": ids, "token_strs": None}
+    strs = post(server, "/tokenize", json.dumps({"prompt": prompt, "return_token_strs": True}).encode()).json()
+    assert strs["token_strs"] == [llm.tokenizer.id_to_token(i) for i in ids]
+    chat = post(server, "/tokenize", json.dumps({"messages": CHAT}).encode()).json()
+    usage = client(server).chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens  # the chat route's own rendering
+    assert post(server, "/detokenize", json.dumps({"tokens": ids}).encode()).json() == {"prompt": prompt}
+    assert_error(post(server, "/detokenize", b'{"tokens": [-1]}'), 400, "tokens", "token ids")
+    assert_error(post(server, "/tokenize", b'{"prompt": "a", "messages": []}'), 400, "prompt", "one of them")
+    assert_error(post(server, "/tokenize", b'{"prompt": "a", "max_tokens": 3}'), 400, "max_tokens", "Unrecognized")
+    assert_error(post(server, "/tokenize", b'{"prompt": "a\\udc00"}'), 400, None, "surrogate")
+    assert httpx.get(server.url + "/version", trust_env=False).json() == {"version": labkit.__version__}
+
+
+def test_every_request_gets_one_access_log_line(tiny_server, caplog):
+    server, _ = tiny_server
+    caplog.set_level(logging.INFO, logger="labkit.serve.access")
+    c = client(server)
+    out = c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, temperature=0, extra_body={
+        "ignore_eos": True})
+    list(c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, stream=True,
+                              extra_body={"ignore_eos": True}))
+    post(server, "/v1/completions", b'{"prompt": ""}')
+    wait_until(lambda: len([r for r in caplog.records if r.name == "labkit.serve.access"]) >= 3, timeout=10,
+               what="three access-log lines")
+    lines = [r.getMessage() for r in caplog.records if r.name == "labkit.serve.access"]
+    assert f"POST /v1/completions 200 id={out.id} prompt_tokens={out.usage.prompt_tokens} completion_tokens=3 " \
+           "ttft=" in lines[0] and " total=" in lines[0]
+    assert re.search(r"POST /v1/completions 200 id=cmpl-\w+ prompt_tokens=\d+ completion_tokens=4 ttft=\d+\.\d+s "
+                     r"total=\d+\.\d+s", lines[1])
+    assert "POST /v1/completions 400 id=- prompt_tokens=- completion_tokens=- ttft=- total=" in lines[2]

@@ -482,8 +482,7 @@ class LLM:
                     raise ValueError(f"a message's role must be one of {', '.join(CHAT_ROLES)} and its content a "
                                      f"str (what labkit serve takes too); got {m['role']!r} with "
                                      f"{type(m['content']).__name__} content")
-        prompts = [self.tokenizer.apply_chat_template([{**m, "role": _template_role(m["role"])} for m in c],
-                                                      add_generation_prompt=True) for c in conversations]
+        prompts = [render_chat(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> Iterator[str]:
@@ -587,9 +586,11 @@ class _Draw:
     forked_from: Sequence | None
 
 
-def _template_role(role: str) -> str:
-    """The role as the chat template knows it: OpenAI's "developer" is its system prompt."""
-    return "system" if role == "developer" else role
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A conversation as the chat template renders it (what `LLM.chat` and the server's chat route
+    tokenize); OpenAI's "developer" role is the template's system prompt."""
+    return tokenizer.apply_chat_template([{**m, "role": "system" if m["role"] == "developer" else m["role"]}
+                                          for m in messages], add_generation_prompt=add_generation_prompt)
 
 
 def _wrap_int64(value: int) -> int:

@@ -10,7 +10,9 @@ proves it longer than the token limit (no token is longer than the vocabulary's 
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -19,18 +21,35 @@ from dataclasses import replace
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import labkit
 from labkit.engine import LLM
+from labkit.engine.llm import render_chat
+from labkit.serve.access import Access
 from labkit.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestFailed, log
 from labkit.serve.metrics import CONTENT_TYPE
-from labkit.serve.protocol import Limits, RequestError, parse_chat, parse_completion, parse_json
+from labkit.serve.protocol import (
+    Limits,
+    RequestError,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_json,
+    parse_tokenize,
+)
+
+access_log = logging.getLogger("labkit.serve.access")
 
 
-def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limits: Limits | None = None) -> Starlette:
-    """The app serving `llm` under `model_name`; its lifespan starts and stops the engine loop."""
+def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limits: Limits | None = None,
+               access: Access | None = None) -> Starlette:
+    """The app serving `llm` under `model_name`; its lifespan starts and stops the engine loop. `access`
+    (access.py): the API key, Host allow-list and web origins; by default no key, this address only,
+    no other origin."""
     limits = limits or Limits()
     engine = EngineLoop(llm, batching=batching, max_waiting=limits.max_waiting)
     server = _Server(llm, engine, model_name, limits)
@@ -51,12 +70,47 @@ def create_app(llm: LLM, model_name: str, *, batching: str = "continuous", limit
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/version", server.version, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = [Middleware(AccessLog), *(access or Access()).middleware()]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.engine, app.state.limits = engine, limits
     app.state.on_engine_death = None  # what runs the app sets it: how to stop serving
     return app
+
+
+class AccessLog:
+    """One log line per request once its answer has ended (a stream's too): client, method, path and
+    status, and for a generation its id, prompt and completion tokens, time to first token and total
+    time. Routes note what they know in the scope's "labkit.log" dict."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status, note = time.perf_counter(), [499], {}
+        scope["labkit.log"] = note
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            first = note.get("first_token_time")
+            ttft = "-" if first is None else f"{first - start:.3f}s"
+            client = ":".join(map(str, scope.get("client") or ("-", "-")))
+            access_log.info("%s %s %s %d id=%s prompt_tokens=%s completion_tokens=%s ttft=%s total=%.3fs", client,
+                            scope["method"], scope["path"], status[0], note.get("id", "-"),
+                            note.get("prompt_tokens", "-"), note.get("completion_tokens", "-"), ttft,
+                            time.perf_counter() - start)
 
 
 async def _exit_if_engine_dies(app, engine: EngineLoop, drain_s: float) -> None:
@@ -133,10 +187,7 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         try:
             parsed = parse_chat(await self._read_json(request), self.model_name, self.limits)
-            try:
-                text = self.llm.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
-            except ValueError as error:  # e.g. the template refuses an order of roles
-                raise RequestError(f"messages: {error}", "messages") from None
+            text = self._chat_text(parsed.messages, True)
             ids = await self._tokenize(text, "messages")
             params = self._fill_max_tokens(parsed.params, parsed.max_tokens_given, len(ids))
         except RequestError as error:
@@ -145,7 +196,38 @@ class _Server:
                          _chat_choice(parsed.top_logprobs))
         return await self._respond(request, answer, ids, params, parsed.stream)
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the ids the server would run for a prompt (or chat messages), and the context size."""
+        try:
+            parsed = parse_tokenize(await self._read_json(request), self.model_name)
+            text = parsed.prompt
+            if parsed.messages is not None:
+                text = self._chat_text(parsed.messages, parsed.add_generation_prompt)
+            ids = await anyio.to_thread.run_sync(
+                functools.partial(self.llm.tokenizer.encode, text, add_special_tokens=parsed.add_special_tokens))
+        except RequestError as error:
+            return error_response(error)
+        strs = [self.llm.tokenizer.id_to_token(i) for i in ids] if parsed.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            ids = parse_detokenize(await self._read_json(request), self.model_name, self.llm.model.config.vocab_size)
+        except RequestError as error:
+            return error_response(error)
+        return JSONResponse({"prompt": self.llm.tokenizer.decode(ids)})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": labkit.__version__})
+
     # --- checks ----------------------------------------------------------------------------------
+    def _chat_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return render_chat(self.llm.tokenizer, messages, add_generation_prompt)
+        except ValueError as error:  # e.g. the template refuses an order of roles
+            raise RequestError(f"messages: {error}", "messages") from None
+
     async def _read_json(self, request: Request) -> dict:
         limit = self.limits.max_body_bytes
         too_large = RequestError(f"request body is larger than the server's limit of {limit} bytes", None,
@@ -204,6 +286,8 @@ class _Server:
     # --- answering -------------------------------------------------------------------------------
     async def _respond(self, request: Request, answer: "_Answer", ids: list[int], params, stream: bool,
                        prefix: str = "") -> Response:
+        answer.note = request.scope.get("labkit.log", {})
+        answer.note["id"] = answer.id
         deltas = self.engine.generate(answer.id, ids, params, stream)
         if not stream:
             return await _unless_disconnected(request, self._whole(answer, deltas, prefix))
@@ -258,6 +342,13 @@ class _Answer:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.kind, self.model, self.include_usage, self.choice = kind, model, include_usage, choice
         self.created = int(time.time())
+        self.note: dict = {}  # what the access log tells of it
+
+    def _usage(self, finals) -> dict:
+        usage = _usage(finals)
+        self.note.update(usage, first_token_time=min((d.first_token_time for d in finals
+                                                      if d.first_token_time is not None), default=None))
+        return usage
 
     def _envelope(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
@@ -282,7 +373,7 @@ class _Answer:
                 choices = [{**choice, "prompt_logprobs": prompt} for choice in choices]
             else:
                 extra["prompt_logprobs"] = prompt
-        return JSONResponse(self._envelope(self.kind, choices, usage=_usage(last.values()), **extra))
+        return JSONResponse(self._envelope(self.kind, choices, usage=self._usage(list(last.values())), **extra))
 
     async def events(self, first, deltas, prefix: str):
         """Server-sent events; leaving early (the client went away) closes `deltas`, which aborts the request."""
@@ -300,8 +391,9 @@ class _Answer:
                 yield _event(_engine_error(error).body())
                 yield "data: [DONE]\n\n"
                 return
+        usage = self._usage(list(last.values()))
         if self.include_usage:
-            yield _event(self._envelope(chunk_kind, [], usage=_usage(last.values())))
+            yield _event(self._envelope(chunk_kind, [], usage=usage))
         yield "data: [DONE]\n\n"
 
     def _chunks(self, delta, prefix: str, chunk_kind: str, extra: dict, offsets: dict) -> list[str]:

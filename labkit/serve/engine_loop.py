@@ -57,6 +57,7 @@ class Delta:
     num_output_tokens: int = 0
     logprobs: list | None = None  # the engine's PositionLogprobs of the tokens since the last delta, if asked
     prompt_logprobs: list | None = None  # on sample 0's last delta, if asked: one per prompt token (None first)
+    first_token_time: float | None = None  # on last deltas: perf_counter when the engine sampled the first token
 
 
 @dataclass
@@ -255,7 +256,8 @@ class EngineLoop:
             return [RequestFailed(f"the engine failed on this request: {failed.stop_reason}")]
         return [self._delta(request, sample, len(sample.text), finish_reason=_openai_reason(sample),
                             num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(sample.token_ids),
-                            prompt_logprobs=out.prompt_logprobs if sample.index == 0 else None)
+                            prompt_logprobs=out.prompt_logprobs if sample.index == 0 else None,
+                            first_token_time=out.metrics.first_token_time)
                 for sample in out.outputs]
 
     def _shutdown(self) -> None:

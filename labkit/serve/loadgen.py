@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -147,10 +148,12 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, start: float, at
     return RequestResult(sent, first, finished, tokens, None if finished else "stream ended without finishing")
 
 
-async def _run_load(url: str, workload: Workload, rate: float, model: str | None) -> list[RequestResult]:
+async def _run_load(url: str, workload: Workload, rate: float, model: str | None,
+                    api_key: str | None) -> list[RequestResult]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None,
                                                                                   max_keepalive_connections=64),
-                                 trust_env=False) as client:
+                                 headers=headers, trust_env=False) as client:
         if model is None:
             model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         bodies = [{"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -162,9 +165,10 @@ async def _run_load(url: str, workload: Workload, rate: float, model: str | None
 
 
 def run_load(url: str, workload: Workload, rate: float, *, model: str | None = None,
-             batching: str = "") -> LoadReport:
-    """Send `workload` to the server at `url` at `rate` requests per second; wait for every answer."""
-    coro = _run_load(url, workload, rate, model)
+             batching: str = "", api_key: str | None = None) -> LoadReport:
+    """Send `workload` to the server at `url` at `rate` requests per second; wait for every answer.
+    `api_key`: the server's --api-key (default: $LABKIT_API_KEY, which a server started here reads too)."""
+    coro = _run_load(url, workload, rate, model, api_key or os.environ.get("LABKIT_API_KEY"))
     try:
         asyncio.get_running_loop()
     except RuntimeError:

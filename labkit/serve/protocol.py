@@ -154,19 +154,7 @@ class ChatRequest:
 def parse_chat(body: dict, model_name: str, limits: Limits = Limits()) -> ChatRequest:
     _check_fields(body, CHAT_FIELDS)
     _check_model(body, model_name)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
-    checked = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object with 'role' and 'content'", where)
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
-        checked.append({"role": "system" if role == "developer" else role,
-                        "content": _message_text(message.get("content"), f"{where}.content")})
+    checked = _messages(body.get("messages"))
     params, top_logprobs = _sampling(body, limits), None
     if _bool(body, "logprobs"):
         top_logprobs = body.get("top_logprobs") or 0
@@ -177,12 +165,74 @@ def parse_chat(body: dict, model_name: str, limits: Limits = Limits()) -> ChatRe
                        top_logprobs)
 
 
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template as /v1/chat/completions does."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    add_generation_prompt: bool
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: dict, model_name: str) -> TokenizeRequest:
+    _only_fields(body, TOKENIZE_FIELDS)
+    _check_model(body, model_name)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise RequestError("give a prompt (a string) or messages, one of them", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise RequestError(f"prompt must be a string, got {_json_type(prompt)}", "prompt")
+    add_generation_prompt = body.get("add_generation_prompt", True) if messages is not None else False
+    if not isinstance(add_generation_prompt, bool):
+        raise RequestError("add_generation_prompt must be true or false", "add_generation_prompt")
+    return TokenizeRequest(prompt, None if messages is None else _messages(messages), add_generation_prompt,
+                           _bool(body, "add_special_tokens"), _bool(body, "return_token_strs"))
+
+
+def parse_detokenize(body: dict, model_name: str, vocab_size: int) -> list[int]:
+    """vLLM's /detokenize: the token ids to turn back into text."""
+    _only_fields(body, {"model", "tokens"})
+    _check_model(body, model_name)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                               for t in tokens):
+        raise RequestError(f"tokens must be a list of token ids in [0, {vocab_size})", "tokens")
+    return tokens
+
+
+def _only_fields(body: dict, fields: set[str]) -> None:
+    for name in body:
+        if name not in fields:
+            raise RequestError(f"Unrecognized request argument supplied: {name}", name)
+
+
 def _with_logprobs(params: SamplingParams, count, name: str) -> SamplingParams:
     """`params` asking for `count` top logprobs per token; SamplingParams checks the range, named `name`."""
     try:
         return replace(params, logprobs=count)
     except (TypeError, ValueError) as error:
         raise RequestError(f"{name}: {error}", name) from None
+
+
+def _messages(messages) -> list[dict]:
+    """Chat messages checked: each a role the server takes and text content (LLM.chat takes the same)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
+    checked = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with 'role' and 'content'", where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+        checked.append({"role": role, "content": _message_text(message.get("content"), f"{where}.content")})
+    return checked
 
 
 def _message_text(content, where: str) -> str:
@@ -242,7 +292,7 @@ def _sampling(body: dict, limits: Limits) -> SamplingParams:
             raise RequestError(message, name) from None
         kwargs[field] = value
     if "max_tokens" not in kwargs:  # a stand-in the server replaces by what the context leaves
-        kwargs["max_tokens"] = max(kwargs.get("min_tokens", 0), 1)
+        kwargs["max_tokens"] = max(kwargs.get("min_tokens", 0), SamplingParams.max_tokens)
     try:
         return SamplingParams(**kwargs)
     except ValueError as error:  # fields that disagree, e.g. min_tokens above max_tokens: the message names one

@@ -5,6 +5,7 @@ started the server learns the real address without racing anyone for a port.
 """
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 
 import torch
 import uvicorn
@@ -21,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from labkit.cache.kv_quant import KV_CACHE_DTYPES
 from labkit.engine import LLM
 from labkit.model.weight_formats import WEIGHT_FORMATS
+from labkit.serve.access import Access, is_loopback
 from labkit.serve.app import create_app
 from labkit.serve.engine_loop import BATCHING_MODES
 from labkit.serve.protocol import Limits
@@ -219,6 +222,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, help="default: what max-model-len leaves room for")
     p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                    help="requests queued beyond this get 503")
+    p.add_argument("--read-timeout", type=float, default=defaults.read_timeout_s,
+                   help="seconds a request's headers and body may take to arrive")
+    p.add_argument("--keep-alive-timeout", type=float, default=defaults.keep_alive_s,
+                   help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                   help="open connections; a request beyond them gets 503")
+    p.add_argument("--api-key", default=os.environ.get("LABKIT_API_KEY"),
+                   help="clients must send 'Authorization: Bearer <key>' to /v1/*, /tokenize, /detokenize and "
+                        "/metrics (default: $LABKIT_API_KEY; none: no key)")
+    p.add_argument("--allowed-hosts", nargs="*", default=[], metavar="HOST",
+                   help="Host names requests may use besides the address they reach (guards against DNS "
+                        "rebinding); '*' takes any")
+    p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="web origins (e.g. http://localhost:3000) whose pages may call the server, with CORS; "
+                        "default: none")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--exit-with-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
     return p
@@ -238,15 +256,31 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.exit_with_parent:
         _exit_with_parent(args.exit_with_parent)
+    access = Access(args.api_key or None, tuple(args.allowed_hosts), tuple(args.allowed_origins))
+    if not is_loopback(args.host) and access.api_key is None:
+        print(f"labkit serve: WARNING: listening on {args.host}, beyond this machine, with no API key: anyone who "
+              "can reach it can use it (set --api-key or LABKIT_API_KEY)", file=sys.stderr, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks, device=args.device,
               dtype=None if args.dtype == "auto" else getattr(torch, args.dtype), weight_format=args.weight_format,
               kv_cache_dtype=args.kv_cache_dtype)
-    limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_waiting)
-    app = create_app(llm, args.served_model_name or args.model, batching=args.batching, limits=limits)
+    limits = replace(Limits(), max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                     max_waiting=args.max_waiting, read_timeout_s=args.read_timeout,
+                     keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
+    app = create_app(llm, args.served_model_name or args.model, batching=args.batching, limits=limits, access=access)
     sys.exit(run(app, bind(args.host, args.port)))
+
+
+def _log_requests() -> None:
+    """The access log and the server's errors on stderr, one line each, as vLLM logs its requests."""
+    logger = logging.getLogger("labkit.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def run(app, sock: socket.socket) -> int:
@@ -260,6 +294,7 @@ def run(app, sock: socket.socket) -> int:
         server.should_exit = True
 
     app.state.on_engine_death = engine_died
+    _log_requests()
     print(f"{READY_LINE}{url_of(sock)}", flush=True)
     try:
         server.run(sockets=[sock])
