@@ -14,12 +14,13 @@ def vectorised(x):
 
 
 def row_by_row(x):
+    """A Python loop over the rows of a [rows, cols] view (a 1-D x is one row)."""
     rows = []
-    for row in x.tolist():
+    for row in x.reshape(-1, x.shape[-1]).tolist():
         top = max(row)
         exps = [math.exp(v - top) for v in row]
         rows.append([e / sum(exps) for e in exps])
-    return torch.tensor(rows, dtype=x.dtype)
+    return torch.tensor(rows, dtype=x.dtype).reshape(x.shape)
 
 
 def via_logsumexp(x):
@@ -59,6 +60,8 @@ WRONG = [
     Wrong("softmax", "built the result from a list without dtype", lambda x: torch.tensor(vectorised(x).tolist()),
           "dtype"),
     Wrong("softmax", "cast to float32", lambda x: vectorised(x).float(), "came back as torch.float32"),
+    Wrong("softmax", "written for [rows, cols] only (dim=1)", lambda x: (lambda e: e / e.sum(1, keepdim=True))(
+        (x - x.max(1, keepdim=True).values).exp()), "dim=-1, not dim=1"),
     Wrong("softmax", "exp without normalising", lambda x: x.exp(), "not exp(x) / sum(exp(x))"),
     Wrong("softmax", "returned log-softmax", lambda x: x - x.logsumexp(-1, keepdim=True), "that is log-softmax"),
     Wrong("softmax", "returned a nested list", lambda x: vectorised(x).tolist(), "expected a tensor"),

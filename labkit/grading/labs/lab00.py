@@ -53,6 +53,19 @@ def softmax(ns):
     if not torch.allclose(large, expected, atol=1e-6):
         raise ExerciseFailed("large logits give wrong values: subtract each row's max before exponentiating")
     _call(fn, logits.float())  # the dtype follows the input's, whichever it is
+    row = logits[1]
+    try:
+        one_row = _call(fn, row)
+    except ExerciseFailed:
+        raise
+    except Exception as error:
+        if raised_type(error) == "NotImplementedError":
+            raise
+        raise ExerciseFailed(f"on one row [{len(row)}] (as in the lab's example) your softmax raised "
+                             f"{raised_type(error)}: a 1-D x is one row; reduce over the last dimension, dim=-1, "
+                             "not dim=1") from None
+    if not torch.allclose(one_row, _rowwise(row.exp()), atol=1e-6):
+        raise ExerciseFailed("one row [cols] (as in the lab's example) gives wrong values: reduce over dim=-1")
     return "rows sum to 1, and large logits don't overflow"
 
 
