@@ -215,6 +215,8 @@ def _run_sampled(fn, g, p, draft_probs, draft_dist, trials):
         draft = [int(torch.multinomial(sampler[i], 1, generator=g)) for i in range(k)]
         tokens = _as_tokens(fn(p.clone(), list(draft), None if draft_probs is None else draft_probs.clone(), g),
                             f"drafts {draft}")
+        if not all(0 <= t < vocab for t in tokens):
+            raise ExerciseFailed(f"drafts {draft} gave {tokens}: token ids are rows' indices, 0..{vocab - 1}")
         # drafts accepted: the common prefix, less the last token when every token is a draft (a replacement
         # that equals its draft, which the residual never draws)
         accepted = next((i for i, (t, d) in enumerate(zip(tokens, draft, strict=False)) if t != d),
