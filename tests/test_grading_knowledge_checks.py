@@ -23,6 +23,7 @@ RIGHT = {
     "13": {1: 271, 2: 5, 3: "b", 4: "c", 5: "a"},
     "14": {1: 3.36, 2: 1, 3: "c", 4: "a", 5: "b"},
     "15": {1: 6912000, 2: "b", 3: 7.4, 4: "c", 5: "a"},
+    "16": {1: 150, 2: 1.3, 3: "a", 4: "b", 5: "c", 6: "b"},
 }
 
 # Wrong answers a student might give, each with the misconception behind it: {question: answer}.
@@ -175,6 +176,18 @@ WRONG = {
         ({3: 0.13}, "gave flash / naive"),
         ({4: "a"}, "thinks column-parallel layers communicate"),
         ({5: "c"}, "normalises the accumulator every tile"),
+    ],
+    "16": [
+        ({1: 120}, "divided by the number of tokens, not the gaps between them"),
+        ({1: 280}, "counted the wait for the first token in the pace"),
+        ({1: 0.15}, "answered in seconds"),
+        ({2: 1.9}, "took the nearest-rank value (the largest)"),
+        ({2: 0.4}, "took the order statistic below the rank"),
+        ({2: 1.0}, "forgot to sort the values"),
+        ({3: "c"}, "thinks HTTP needs one thread"),
+        ({4: "a"}, "thinks a closed connection keeps generating harmlessly"),
+        ({5: "b"}, "blames the prefill for static batching's wait"),
+        ({6: "a"}, "reads a long tail as saturation for everyone"),
     ],
 }
 

@@ -174,6 +174,49 @@ def percentile_by_n(values, q):
     return s[lo] + (s[hi] - s[lo]) * (rank - lo)
 
 
+def percentile_lower(values, q):
+    s = sorted(values)
+    return s[math.floor((len(s) - 1) * q / 100)]
+
+
+def percentile_rounded_rank(values, q):
+    s = sorted(values)
+    return s[round((len(s) - 1) * q / 100)]
+
+
+def percentile_swapped_weights(values, q):
+    s = sorted(values)
+    rank = (len(s) - 1) * q / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] * (rank - lo) + s[hi] * (1 - (rank - lo))
+
+
+def sse_stripped(body):
+    return "".join(piece.strip() for piece in _sse_pieces(body))
+
+
+def _sse_pieces(body):
+    for line in body.splitlines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            for choice in json.loads(line[5:])["choices"]:
+                yield choice["delta"].get("content") or ""
+
+
+def ttft_clock_time(sent, times):
+    _, tpot = ttft_tpot(sent, times)
+    return (times[0] if times else None), tpot
+
+
+def saturation_last_rate_when_none(rows, factor=3.0):
+    return saturation_rate(rows, factor) or max(rows)[0]
+
+
+def saturation_latency(rows, factor=3.0):
+    rows = sorted(rows)
+    return next((lat for _, lat in rows if lat > factor * rows[0][1]), None)
+
+
 def poisson_scale_is_rate(rate, n, rng):
     return np.cumsum(rng.exponential(rate, n))
 
@@ -232,17 +275,22 @@ def saturation_previous_row(rows, factor=3.0):
     ("sse_text", sse_first_choice, "a usage chunk has no choices"),
     ("sse_text", sse_needs_space, "without a space"),
     ("sse_text", sse_every_line, "comment lines"),
+    ("sse_text", sse_stripped, "keep each delta's content exactly as sent"),
     ("ttft_tpot", ttft_tpot, "the mean gap after it"),
     ("ttft_tpot", stub, "not implemented yet"),
     ("ttft_tpot", tpot_over_n, "divides by n - 1"),
     ("ttft_tpot", tpot_from_sent, "is not part of it"),
     ("ttft_tpot", tpot_zero_for_one, "its TPOT is None"),
+    ("ttft_tpot", ttft_clock_time, "measured from the moment the request was sent"),
     ("ttft_tpot", lambda s, t: [t[0] - s, None] if t else (None, None), "return a pair"),
     ("percentile", percentile, "as numpy's percentile does"),
     ("percentile", stub, "not implemented yet"),
     ("percentile", nearest_rank, "nearest-rank"),
     ("percentile", unsorted_percentile, "sort the values first"),
-    ("percentile", percentile_by_n, "expected"),
+    ("percentile", percentile_by_n, "not n * q / 100"),
+    ("percentile", percentile_lower, "you took the order statistic below the rank"),
+    ("percentile", percentile_rounded_rank, "you rounded the rank"),
+    ("percentile", percentile_swapped_weights, "the weights are swapped"),
     ("poisson_arrivals", poisson_arrivals, "exponential gaps"),
     ("poisson_arrivals", poisson_by_inversion, "exponential gaps"),
     ("poisson_arrivals", stub, "not implemented yet"),
@@ -258,6 +306,8 @@ def saturation_previous_row(rows, factor=3.0):
     ("saturation_rate", saturation_ge, "use >"),
     ("saturation_rate", saturation_last_good, "last rate before the knee"),
     ("saturation_rate", saturation_previous_row, "not with the previous row's"),
+    ("saturation_rate", saturation_last_rate_when_none, "return None"),
+    ("saturation_rate", saturation_latency, "not its latency"),
 ])
 def test_lab16_graders(name, fn, message):
     outcome = grade(name, fn)

@@ -106,6 +106,10 @@ def sse_text(ns):
             raise ExerciseFailed(f"a stream{shown} raised {type(error).__name__}: {error}. Not every chunk carries "
                                  "text: the first names the role, the last has an empty delta and a finish_reason, "
                                  "and a usage chunk has no choices at all") from None
+        if got != want and got == "".join(p.strip() for p in pieces):
+            raise ExerciseFailed(f"a stream{shown}: keep each delta's content exactly as sent; the spaces at the "
+                                 "start of a piece are the spaces between words (strip the 'data:' line, not the "
+                                 "text)")
         if got != want:
             raise ExerciseFailed(f"for the stream{shown}\n{body}\nexpected {want!r}, got {got!r}")
     return "joins the deltas' content and skips role, finish, usage, comment and [DONE] events"
@@ -129,6 +133,9 @@ def ttft_tpot(ns):
             continue
         where = f"sent={sent:.3f}, token_times={[round(t, 3) for t in times]}"
         n = len(times)
+        if n and _close(got[0], times[0]) and not _close(want[0], times[0]):
+            raise ExerciseFailed(f"{where}: TTFT is a wait, measured from the moment the request was sent: "
+                                 "token_times[0] - sent, not the first token's clock time")
         if n >= 2 and _close(got[1], (times[-1] - times[0]) / n):
             raise ExerciseFailed(f"{where}: n tokens have n - 1 gaps between them; TPOT divides by n - 1")
         if n >= 2 and _close(got[1], (times[-1] - sent) / n):
@@ -166,28 +173,51 @@ def percentile(ns):
              ([1.0, 2.0, 3.0], 100)]
     cases += [([rng.expovariate(1.0) for _ in range(rng.randint(1, 60))], rng.choice([50, 90, 99, 25, 75]))
               for _ in range(60)]
-    for values, q in cases:
-        want = float(np.percentile(values, q))
-        got = fn(list(values), q)
-        if isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
-            continue
-        where = f"percentile({[round(v, 3) for v in values]}, {q})"
-        s = sorted(values)
-        if isinstance(got, (int, float)) and got == s[min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1 if q else 0)] \
-                and got != want:
-            raise ExerciseFailed(f"{where}: expected {want:.6g}, got {got:.6g}, the nearest-rank value; interpolate "
-                                 "linearly between the two order statistics around rank (n - 1) * q / 100")
-        if values != s and isinstance(got, (int, float)) and math.isclose(got, _linear(values, q)):
-            raise ExerciseFailed(f"{where}: sort the values first: percentiles are about ranks")
-        raise ExerciseFailed(f"{where}: expected {want:.6g}, got {got!r}")
-    return "linear interpolation between order statistics, as numpy's percentile does by default"
+    results = [(values, q, float(np.percentile(values, q)), fn(list(values), q)) for values, q in cases]
+    wrong = [(values, q, want, got) for values, q, want, got in results if not _same_number(got, want)]
+    if not wrong:
+        return "linear interpolation between order statistics, as numpy's percentile does by default"
+    values, q, want, got = wrong[0]
+    where = f"percentile({[round(v, 3) for v in values]}, {q}): expected {want:.6g}, got {got!r}"
+    for mistake, why in PERCENTILE_MISTAKES:  # the mistake that explains every wrong answer
+        if all(_same_number(got, mistake(list(values), q)) for values, q, _, got in wrong):
+            raise ExerciseFailed(f"{where}: {why}")
+    raise ExerciseFailed(f"{where}: sort the values, take rank (n - 1) * q / 100, and interpolate linearly between "
+                         "the values at its floor and ceiling")
 
 
-def _linear(values, q):
-    rank = (len(values) - 1) * q / 100
+def _same_number(got, want: float) -> bool:
+    return isinstance(got, int | float) and not isinstance(got, bool) and math.isclose(
+        got, want, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _linear(values, q, *, rank_of=lambda n, q: (n - 1) * q / 100, swapped=False, pick=None):
+    """Linear interpolation between order statistics of `values` as given; the keywords re-create mistakes."""
+    rank = min(max(rank_of(len(values), q), 0), len(values) - 1)
     lo = math.floor(rank)
+    if pick is not None:
+        return values[pick(rank)]
     hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
+    weight = 1 - (rank - lo) if swapped else rank - lo
+    return values[lo] + (values[hi] - values[lo]) * weight
+
+
+PERCENTILE_MISTAKES = [
+    (lambda v, q: sorted(v)[min(len(v) - 1, math.ceil(q / 100 * len(v)) - 1 if q else 0)],
+     "that is the nearest-rank value; interpolate linearly between the two order statistics around rank "
+     "(n - 1) * q / 100"),
+    (lambda v, q: _linear(v, q), "sort the values first: percentiles are about ranks"),
+    (lambda v, q: _linear(sorted(v), q, rank_of=lambda n, q: n * q / 100),
+     "the rank is (n - 1) * q / 100, not n * q / 100: ranks run from 0 (the smallest) to n - 1 (the largest)"),
+    (lambda v, q: _linear(sorted(v), q, pick=math.floor),
+     "you took the order statistic below the rank; interpolate between it and the one above, weighted by the "
+     "rank's fractional part"),
+    (lambda v, q: _linear(sorted(v), q, pick=round),
+     "you rounded the rank to the nearest order statistic; interpolate between the two around it, weighted by "
+     "the rank's fractional part"),
+    (lambda v, q: _linear(sorted(v), q, swapped=True),
+     "the weights are swapped: the upper value's weight is the rank's fractional part, rank - floor(rank)"),
+]
 
 
 @exercise("16", "poisson_arrivals", forbidden=("labkit.serve.loadgen.poisson_arrivals",))
@@ -265,8 +295,32 @@ def saturation_rate(ns):
         if got == want:
             continue
         where = f"saturation_rate({rows}, factor={factor})"
+        if want is None:
+            raise ExerciseFailed(f"{where}: no rate's latency exceeds {factor} x the lowest rate's, so the server "
+                                 f"did not saturate in this range: return None, not {got!r}")
+        if got in {latency for _, latency in rows} and got not in {rate for rate, _ in rows}:
+            raise ExerciseFailed(f"{where}: return the saturating rate (requests per second), not its latency")
         for mistake, message in SATURATION_MISTAKES:
             if got == mistake(list(rows), factor) != want:
                 raise ExerciseFailed(f"{where}: expected {want}, got {got}: {message}")
         raise ExerciseFailed(f"{where}: expected {want}, got {got}")
     return "the first rate whose latency exceeds factor x the unloaded latency"
+
+
+# ----------------------------------------------------------------------------------- knowledge check
+QUIZ_TOKEN_TIMES = (2.0, [2.8, 2.9, 3.1, 3.2, 3.4])  # question 1: sent at 2.0 s, five tokens
+QUIZ_TTFTS = [0.2, 0.3, 0.25, 1.9, 0.4]  # question 2: five requests' TTFTs, seconds
+
+
+@exercise("16", "knowledge_check")
+def knowledge_check(ns):
+    from labkit.grading.quiz import Choice, Number, grade_answers
+
+    return grade_answers(ns, {
+        1: Number(1000 * _ttft_tpot(*QUIZ_TOKEN_TIMES)[1], "'Measuring latency: TTFT and TPOT'", rel_tol=1e-6),
+        2: Number(float(np.percentile(QUIZ_TTFTS, 90)), "'Exercise 4: percentiles'", rel_tol=1e-6),
+        3: Choice("a", "'One engine, many clients'"),
+        4: Choice("b", "'Disconnects cost nothing'"),
+        5: Choice("c", "'Continuous vs static batching under load'"),
+        6: Choice("b", "'Exercise 4: percentiles' and 'Exercise 5: users arrive at random'"),
+    })
