@@ -285,7 +285,8 @@ def apply_penalties(ns):
     if not isinstance(got, torch.Tensor) or got.shape != logits.shape:
         raise ExerciseFailed(f"expected a tensor of shape {tuple(logits.shape)}")
     if torch.allclose(got, want, atol=1e-5):
-        return "repetition on prompt + output (once per token, by sign), presence and frequency on the output"
+        return ("repetition first, on prompt + output (once per token, by sign); then presence and frequency on "
+                "the output")
     for mistake, why in _PENALTY_MISTAKES:
         if torch.allclose(got, _penalized(logits, prompt_ids, output_ids, *settings, **mistake), atol=1e-5):
             raise ExerciseFailed(why)
