@@ -377,8 +377,9 @@ def _wide_heads(fn):
     except ExerciseFailed:
         raise
     except Exception as error:
-        raise ExerciseFailed(f"your layer raised {raised_type(error)} {why}: take head_dim from config, never hidden / num_heads; "
-                             "the heads' output is num_heads * head_dim wide, and o maps it back to hidden") from None
+        raise ExerciseFailed(f"your layer raised {raised_type(error)} {why}: take head_dim from config, never "
+                             "hidden / num_heads; the heads' output is num_heads * head_dim wide, and o maps it back "
+                             "to hidden") from None
     if not _close(got, expected, atol=1e-4):
         raise ExerciseFailed(f"right when hidden = num_heads * head_dim, wrong {why}: take head_dim from config, "
                              "never hidden / num_heads")
