@@ -64,8 +64,9 @@ class _ReadDeadline(H11Protocol):
             self._read_deadline = None
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self._read_deadline is None:  # the next request's clock
+        super().on_response_complete()  # may read a pipelined request already here
+        waiting = self.cycle.response_complete or self.cycle.more_body  # for a next request, or the rest of it
+        if waiting and not self.transport.is_closing() and self._read_deadline is None:  # the next request's clock
             self._read_deadline = self.loop.call_later(self.read_timeout, self._read_too_slow)
 
     def connection_lost(self, exc) -> None:
