@@ -580,6 +580,10 @@ def test_an_engine_thread_that_dies_ends_every_stream_with_an_error_turns_health
         c = client(server)
         assert httpx.get(server.url + "/health", trust_env=False).status_code == 200
         break_engine_after(llm, 5)
+
+        def broken_abort(request_id):  # an engine that failed may fail to abort too: the clients still hear
+            raise RuntimeError("abort fails as well")
+        llm.abort = broken_abort
         stream = c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=500, stream=True,
                                       extra_body={"ignore_eos": True})
         with pytest.raises(openai.APIError, match="engine failed"):

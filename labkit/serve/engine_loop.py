@@ -269,9 +269,14 @@ class EngineLoop:
             inbox, self._inbox = list(self._inbox), deque()
         self._requests.update((request_id, request) for action, request_id, request in inbox if action == "add")
         for request in self._requests.values():
+            self._deliver(request, error)  # first: an engine too broken to abort must not keep a client waiting
             if request.engine_id is not None:
-                self.llm.abort(request.engine_id)
-            self._deliver(request, error)
+                try:
+                    self.llm.abort(request.engine_id)
+                except Exception:  # noqa: BLE001 - the engine failed already; the process is about to exit
+                    if self.error is None:
+                        raise
+                    log.exception("aborting request %s after the engine failed", request.engine_id)
         self._requests.clear()
         self._by_engine_id.clear()
         self._pending.clear()
