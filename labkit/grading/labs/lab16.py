@@ -298,7 +298,7 @@ def saturation_rate(ns):
         if want is None:
             raise ExerciseFailed(f"{where}: no rate's latency exceeds {factor} x the lowest rate's, so the server "
                                  f"did not saturate in this range: return None, not {got!r}")
-        if got in {latency for _, latency in rows} and got not in {rate for rate, _ in rows}:
+        if isinstance(got, int | float) and got in {lat for _, lat in rows} and got not in {r for r, _ in rows}:
             raise ExerciseFailed(f"{where}: return the saturating rate (requests per second), not its latency")
         for mistake, message in SATURATION_MISTAKES:
             if got == mistake(list(rows), factor) != want:
