@@ -952,3 +952,22 @@ def test_every_request_gets_one_access_log_line(tiny_server, caplog):
     assert re.search(r"POST /v1/completions 200 id=cmpl-\w+ prompt_tokens=\d+ completion_tokens=4 ttft=\d+\.\d+s "
                      r"total=\d+\.\d+s", lines[1])
     assert "POST /v1/completions 400 id=- prompt_tokens=- completion_tokens=- ttft=- total=" in lines[2]
+
+
+def test_bytes_that_are_no_http_request_and_oversized_headers_get_openai_errors(tiny_server):
+    server, llm = tiny_server
+    host, port = server.url[7:].split(":")
+    huge = b"GET /health HTTP/1.1\r\nHost: " + host.encode() + b"\r\nX-Pad: " + b"a" * (20 * 1024) + b"\r\n\r\n"
+    for sent in (b"NOT HTTP AT ALL\r\n\r\n", huge):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(sent[:-4])  # h11 measures headers while they are incomplete
+            time.sleep(0.2)
+            with contextlib.suppress(OSError):  # it may have answered and closed already
+                sock.sendall(sent[-4:])
+            reply = b""
+            while piece := sock.recv(65536):
+                reply += piece
+        head, body = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+        assert json.loads(body)["error"]["code"] == "invalid_http"
+    assert httpx.get(server.url + "/health", trust_env=False).status_code == 200

@@ -5,6 +5,7 @@ started the server learns the real address without racing anyone for a port.
 """
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import replace
 
+import h11
 import torch
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -26,7 +28,7 @@ from labkit.model.weight_formats import WEIGHT_FORMATS
 from labkit.serve.access import Access, is_loopback
 from labkit.serve.app import create_app
 from labkit.serve.engine_loop import BATCHING_MODES
-from labkit.serve.protocol import Limits
+from labkit.serve.protocol import Limits, RequestError
 
 READY_LINE = "labkit serve: listening on "
 
@@ -73,6 +75,19 @@ class _ReadDeadline(H11Protocol):
         if self._read_deadline is not None:
             self._read_deadline.cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are no HTTP request (headers past h11's size limit too), in
+        OpenAI's error JSON like every other refusal."""
+        limit = self.config.h11_max_incomplete_event_size
+        body = json.dumps(RequestError(f"{msg} (malformed, or its headers exceed {limit} bytes)", None,
+                                       code="invalid_http").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _read_too_slow(self) -> None:
         self._read_deadline = None
