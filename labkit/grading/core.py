@@ -139,6 +139,16 @@ def expect_tensor(value, shape, what: str):
     return value
 
 
+def tensors_close(got, want, atol: float = 1e-5) -> bool:
+    """Whether `got` is a tensor of `want`'s shape and values, compared in float64 so that a float32
+    answer is judged at float32 precision (a float64 reference still needs a float64 answer's)."""
+    import torch
+
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    return torch.allclose(got.to(torch.float64), want.to(torch.float64), atol=atol)
+
+
 def exercises(lab: str | None = None) -> list[Exercise]:
     """All registered exercises (of one lab), in the order their graders were defined."""
     _load_graders()

@@ -6,7 +6,7 @@ import math
 import torch
 
 from labkit import worked_example as ref
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, expect_value_error, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, expect_value_error, require, tensors_close
 
 
 def _random(*shape, seed):
@@ -14,11 +14,8 @@ def _random(*shape, seed):
 
 
 def _close(a, b):
-    """Same shape and values (a student's float32 answer is compared at float32 precision)."""
-    if a.shape != b.shape:
-        return False
-    atol = 1e-9 if a.dtype == torch.float64 else 1e-5
-    return torch.allclose(a.to(torch.float64), b.to(torch.float64), atol=atol)
+    """Same shape and values; a float64 answer is held to float64 precision."""
+    return tensors_close(a, b, atol=1e-9 if getattr(a, "dtype", None) == torch.float64 else 1e-5)
 
 
 

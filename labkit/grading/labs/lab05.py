@@ -7,16 +7,11 @@ import torch.nn.functional as F
 
 from labkit.attention.dense import causal_attention
 from labkit.cache import KVCache
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
+from labkit.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require, tensors_close
 from labkit.model.config import ModelConfig
 from labkit.model.generate import step_metadata
 from labkit.model.layers import MLP, DecoderLayer, rope_cos_sin, rope_inv_freq
 from labkit.model.layers import apply_rotary as ref_rotary
-
-
-def _close(a, b, atol=1e-5):
-    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol)
-
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------
 
@@ -39,18 +34,19 @@ def rms_norm(ns):
                              "return a new tensor")
     if not torch.isfinite(got).all():
         raise ExerciseFailed("an all-zero row gave NaN/inf: add eps inside the square root")
-    if _close(got, _rms(x, 1.0, eps)):
+    if tensors_close(got, _rms(x, 1.0, eps)):
         raise ExerciseFailed("the learned weight was not applied: multiply by weight at the end")
-    if _close(got, (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps) * w):
+    layer_norm = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps) * w
+    if tensors_close(got, layer_norm):
         raise ExerciseFailed("that is LayerNorm: RMSNorm does not subtract the mean")
-    if _close(got, x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * w):
+    if tensors_close(got, x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * w):
         raise ExerciseFailed("divided by the root of the *sum* of squares: RMS is the root of their mean")
-    if _close(got, x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * w):
+    if tensors_close(got, x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * w):
         raise ExerciseFailed("eps was added after the square root: it goes inside, sqrt(mean(x^2) + eps)")
-    if _close(got, x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + eps) * w):
+    if tensors_close(got, x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + eps) * w):
         raise ExerciseFailed("the mean was taken over the wrong axis: normalise each token's vector "
                              "(the last dimension, keepdim=True)")
-    if not _close(got, _rms(x, w, eps)):
+    if not tensors_close(got, _rms(x, w, eps)):
         raise ExerciseFailed("the values differ from x / sqrt(mean(x^2) + eps) * weight (last dimension)")
     # fp16 activations of a real model reach hundreds: x^2 overflows fp16 (max 65504) from |x| > 256
     big = (torch.randn(4, 16, generator=g) * 200).clamp(-400, 400)
@@ -59,7 +55,7 @@ def rms_norm(ns):
     if not isinstance(half, torch.Tensor) or half.dtype != torch.half:
         raise ExerciseFailed("for fp16 input return fp16 (compute in fp32 if you like, then cast back)")
     expected = _rms(big.half().float(), w.half().float(), 1e-5)
-    if not _close(half.float(), expected, atol=2e-2):
+    if not tensors_close(half.float(), expected, atol=2e-2):
         raise ExerciseFailed("wrong for fp16 activations around ±400: x^2 overflows fp16 (largest 65504), so "
                              "compute in float32 (x.float()) and cast the result back to x's dtype")
     return "x / sqrt(mean(x^2) + eps) * weight, finite on a zero row, safe for large fp16 activations"
@@ -89,25 +85,25 @@ def apply_rotary(ns):
         got = expect_tensor(fn(x.clone(), positions, theta), x.shape, "the rotated x [T, heads, head_dim]")
         inv_freq = rope_inv_freq(8, theta)
         expected = ref_rotary(x, *rope_cos_sin(positions, inv_freq, torch.float32))
-        if _close(got, x):
+        if tensors_close(got, x):
             raise ExerciseFailed("x came back unchanged: rotate each pair by position * frequency")
-        if _close(got, _rotary(x, positions, theta, interleaved=True)):
+        if tensors_close(got, _rotary(x, positions, theta, interleaved=True)):
             raise ExerciseFailed("you rotated neighbouring pairs (x0, x1), (x2, x3)...: Hugging Face's layout "
                                  "pairs x[i] with x[i + head_dim/2] (the two halves)")
-        if _close(got, _rotary(x, positions, theta, sign=-1.0)):
+        if tensors_close(got, _rotary(x, positions, theta, sign=-1.0)):
             raise ExerciseFailed("rotated the wrong way: the first half is x1*cos - x2*sin, "
                                  "the second x2*cos + x1*sin")
-        if _close(got, _rotary(x, positions, theta, exponent=1)):
+        if tensors_close(got, _rotary(x, positions, theta, exponent=1)):
             raise ExerciseFailed("wrong frequencies: they are theta^(-2i/head_dim) for i = 0 .. head_dim/2 - 1")
-        if _close(got, _rotary(x, positions + 1, theta)) or _close(got, _rotary(x, positions - 1, theta)):
+        if tensors_close(got, _rotary(x, positions + 1, theta)) or tensors_close(got, _rotary(x, positions - 1, theta)):
             raise ExerciseFailed("positions are off by one: the first token is at position 0 and is left "
                                  "unrotated (angle 0)")
-        if _close(got, _rotary(x, torch.arange(len(positions)), theta)):
+        if tensors_close(got, _rotary(x, torch.arange(len(positions)), theta)):
             raise ExerciseFailed("the positions argument was ignored (0, 1, 2, ... assumed): rotate each token by "
                                  "its own position, e.g. 500 after a long prompt")
-        if theta != 10000.0 and _close(got, _rotary(x, positions, 10000.0)):
+        if theta != 10000.0 and tensors_close(got, _rotary(x, positions, 10000.0)):
             raise ExerciseFailed("theta was ignored (10000 is only the default): SmolLM2 uses 100000")
-        if not _close(got, expected, atol=1e-4):
+        if not tensors_close(got, expected, atol=1e-4):
             raise ExerciseFailed(f"the rotation differs from labkit's for theta={theta:g}")
     return "half-split pairs rotated by position * theta^(-2i/d), any theta"
 
@@ -167,19 +163,19 @@ def attention_with_cache(ns):
                                                v[:b].transpose(0, 1)).transpose(0, 1) for a, b in bounds])
         return torch.cat([_attend(q[a:b], k[:b], v[:b], a, **mistake) for a, b in bounds])
 
-    if _close(got, reference()):
+    if tensors_close(got, reference()):
         return "appends to the cache, attends causally over it, GQA heads grouped correctly"
-    if _close(got, reference(scale=False)):
+    if tensors_close(got, reference(scale=False)):
         raise ExerciseFailed("scores were not divided by sqrt(head_dim)")
-    if _close(got, reference(interleave=False)):
+    if tensors_close(got, reference(interleave=False)):
         raise ExerciseFailed("query head h must use KV head h // (Hq / Hkv): expand KV heads with "
                              "repeat_interleave, not repeat")
-    if _close(got, reference(align_end=False)):
+    if tensors_close(got, reference(align_end=False)):
         raise ExerciseFailed("the causal mask was aligned to the first key (as SDPA's is_causal does when there "
                              "are more keys than queries): new query i sits at position cached + i, so it sees "
                              "keys 0 .. cached + i")
     ok = reference()
-    prefill_ok, chunk_ok, decode_ok = (_close(got[a:b], ok[a:b]) for a, b in per_step)
+    prefill_ok, chunk_ok, decode_ok = (tensors_close(got[a:b], ok[a:b]) for a, b in per_step)
     if decode_ok and not prefill_ok:
         raise ExerciseFailed("the prefill is wrong but decode steps are right: with several new tokens each "
                              "query may only see keys up to its own position (causal mask)")
@@ -223,20 +219,20 @@ def swiglu_mlp(ns):
                         "the MLP's output [tokens, hidden] (did you apply down_weight?)")
     with torch.no_grad():
         expected = mlp(x)
-    if _close(got, expected, atol=1e-4):
+    if tensors_close(got, expected, atol=1e-4):
         return "splits the merged gate/up projection, down(silu(gate) * up), matches labkit's MLP"
-    if _close(got, _swiglu(x, gate_up, down, swap=True), atol=1e-4):
+    if tensors_close(got, _swiglu(x, gate_up, down, swap=True), atol=1e-4):
         raise ExerciseFailed("gate and up are swapped: the merged weight holds gate's rows first, then up's, "
                              "and silu goes on the gate")
-    if _close(got, _swiglu(x, gate_up, down, interleaved=True), atol=1e-4):
+    if tensors_close(got, _swiglu(x, gate_up, down, interleaved=True), atol=1e-4):
         raise ExerciseFailed("the merged output was split into even and odd columns; it is two halves, "
                              "[gate | up], each intermediate_size wide")
-    if _close(got, _swiglu(x, gate_up, down, act_after_product=True), atol=1e-4):
+    if tensors_close(got, _swiglu(x, gate_up, down, act_after_product=True), atol=1e-4):
         raise ExerciseFailed("silu was applied to gate * up; it goes on the gate alone: silu(gate) * up")
     for act, name in ((F.gelu, "GELU"), (F.relu, "ReLU"), (torch.sigmoid, "a sigmoid")):
-        if _close(got, _swiglu(x, gate_up, down, act=act), atol=1e-4):
+        if tensors_close(got, _swiglu(x, gate_up, down, act=act), atol=1e-4):
             raise ExerciseFailed(f"{name} instead of SiLU (x * sigmoid(x)): SwiGLU gates with SiLU")
-    if _close(got, F.silu(x @ gate_up[:inter].T) @ down.T, atol=1e-4):
+    if tensors_close(got, F.silu(x @ gate_up[:inter].T) @ down.T, atol=1e-4):
         raise ExerciseFailed("the up projection was left out: SwiGLU multiplies silu(gate) by up")
     raise ExerciseFailed("the output differs from down(silu(gate) * up) "
                          f"(max abs diff {(got - expected).abs().max():.3g})")
@@ -334,7 +330,7 @@ def decoder_layer(ns):
                                  f"weight ({w['qkv'].shape[0]} rows): it is (num_heads + 2 * num_kv_heads) * "
                                  "head_dim wide, so split it with head_dim, not the hidden size") from None
         raise
-    if not _close(got, expected, atol=1e-4):
+    if not tensors_close(got, expected, atol=1e-4):
         _name_layer_mistake(got, expected, x, w, cfg)
     _wide_heads(fn)
     return ("norm, merged QKV split by head_dim, rotary, cached attention, o_proj, SwiGLU, both residuals; "
@@ -353,10 +349,10 @@ def _name_layer_mistake(got, expected, x, w, cfg):
         ({"o_proj": False}, "the output projection o was left out: the heads' outputs go through it"),
     )
     for switches, why in mistakes:
-        if _close(got, _layer(x, w, cfg, **switches), atol=1e-4):
+        if tensors_close(got, _layer(x, w, cfg, **switches), atol=1e-4):
             raise ExerciseFailed(why)
     first = _LAYER_STEPS[0]
-    if _close(got[:first], expected[:first], atol=1e-4):
+    if tensors_close(got[:first], expected[:first], atol=1e-4):
         raise ExerciseFailed("the prefill is right but later steps are not: each step's positions (given) "
                              "rotate its queries and keys, and the cache holds every earlier token")
     raise ExerciseFailed("the output differs from labkit's DecoderLayer on the same weights "
@@ -380,7 +376,7 @@ def _wide_heads(fn):
         raise ExerciseFailed(f"your layer raised {raised_type(error)} {why}: take head_dim from config, never "
                              "hidden / num_heads; the heads' output is num_heads * head_dim wide, and o maps it back "
                              "to hidden") from None
-    if not _close(got, expected, atol=1e-4):
+    if not tensors_close(got, expected, atol=1e-4):
         raise ExerciseFailed(f"right when hidden = num_heads * head_dim, wrong {why}: take head_dim from config, "
                              "never hidden / num_heads")
 
