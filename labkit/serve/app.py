@@ -2,6 +2,11 @@
 
     POST /v1/completions, /v1/chat/completions   JSON answers, or server-sent events with "stream": true
     GET  /v1/models, /health, /metrics
+    POST /tokenize, /detokenize; GET /version    vLLM's own
+
+Every refusal is OpenAI's error JSON. A request the engine fails on gets a 500 (or, streaming, an
+error event); if the engine thread dies, /health turns 503 and the server stops (see
+`_exit_if_engine_dies`). access.py checks the API key, Host and Origin before any route runs.
 
 A body is refused before it is read whole when it is larger than the limit (by its Content-Length,
 or while reading a chunked one), and a prompt before it is tokenized when its UTF-8 size alone
