@@ -1,9 +1,12 @@
 """Lab 11: one step's tensors, stop strings streamed with hold-back, aborting a request (with Lab 09's release),
 and the capstone (the engine with the student's own parts)."""
 
+from functools import partial
+
 import torch
 
 from catalogue import Right, Wrong
+from catalogue.lab10 import schedule
 from labkit.engine.model_runner import ModelRunner
 from labkit.sampling.stop import find_stop_string
 
@@ -210,18 +213,6 @@ def can_append(num_tokens, num_blocks_held, block_size, num_free_blocks):
     return -(-num_tokens // block_size) - num_blocks_held <= num_free_blocks
 
 
-def schedule(running, waiting, token_budget, max_num_seqs, free_blocks):
-    plan = [(rid, 1) for rid in running]
-    budget = token_budget - len(plan)
-    for req in sorted(waiting, key=lambda r: (-r.priority, r.arrival)):
-        if budget == 0 or len(plan) >= max_num_seqs or req.blocks > free_blocks:
-            break
-        plan.append((req.id, min(req.prompt_len, budget)))
-        budget -= plan[-1][1]
-        free_blocks -= req.blocks
-    return plan
-
-
 def parts(**replaced):
     members = {"top_k_filter": top_k, "top_p_filter": top_p, "cached_prefix_blocks": prefix, "take_free_block": take,
                "can_append": can_append, "schedule_step": schedule, "prepare_step": step} | replaced
@@ -247,16 +238,6 @@ def top_p_without_crossing(logits, p):
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
 
 
-def lru_backwards(free_uncached, free_cached, hash_to_block, blocks):
-    if free_uncached:
-        return take(free_uncached, free_cached, hash_to_block, blocks)
-    block_id, _ = free_cached.popitem(last=True)
-    del hash_to_block[blocks[block_id].hash]
-    blocks[block_id].hash = blocks[block_id].token_ids = None
-    blocks[block_id].ref_count = 1
-    return block_id
-
-
 def take_most_recent(free_uncached, free_cached, hash_to_block, blocks):
     """Evicts the most recently freed cached block (LIFO), not the least recently freed."""
     if free_uncached:
@@ -274,28 +255,6 @@ def take_keeping_hash(free_uncached, free_cached, hash_to_block, blocks):
     blocks[block_id].hash = blocks[block_id].token_ids = None
     blocks[block_id].ref_count = 1
     return block_id
-
-
-def schedule_with(*, skip=False, seats=True, by_priority=True, shortest=False, chunk=True, subtract=True):
-    """Lab 10's schedule_step with one of its rules broken."""
-    def schedule_step(running, waiting, token_budget, max_num_seqs, free_blocks):
-        plan = [(rid, 1) for rid in running]
-        budget = token_budget - len(plan)
-        key = (lambda r: r.prompt_len) if shortest else (lambda r: (-r.priority, r.arrival)) if by_priority else (
-            lambda r: r.arrival)
-        for req in sorted(waiting, key=key):
-            if budget == 0 or (seats and len(plan) >= max_num_seqs):
-                break
-            if req.blocks > free_blocks or (not chunk and req.prompt_len > budget):
-                if skip:
-                    continue
-                break
-            plan.append((req.id, min(req.prompt_len, budget)))
-            budget -= plan[-1][1]
-            free_blocks -= req.blocks if subtract else 0
-        return plan
-
-    return schedule_step
 
 
 def labkit_prepare(*args):
@@ -317,12 +276,13 @@ WRONG_CAPSTONE = [
      "whose blocks do not fit"),
     ("prefix lookup without the chain", dict(cached_prefix_blocks=lambda *a: []), "`cached_prefix_blocks`"),
     ("top-p drops the token that crosses top_p", dict(top_p_filter=top_p_without_crossing), "`top_p_filter`"),
-    ("skips a request that does not fit", dict(schedule_step=schedule_with(skip=True)), "skipping it for a later"),
-    ("ignores max_num_seqs", dict(schedule_step=schedule_with(seats=False)), "more than max_num_seqs"),
-    ("ignores priority", dict(schedule_step=schedule_with(by_priority=False)), "ignored priorities"),
-    ("shortest prompt first", dict(schedule_step=schedule_with(shortest=True)), "shortest prompt first"),
-    ("never chunks a prompt", dict(schedule_step=schedule_with(chunk=False)), "chunked prefill"),
-    ("forgets to subtract the blocks it gave", dict(schedule_step=schedule_with(subtract=False)),
+    ("skips a request that does not fit", dict(schedule_step=partial(schedule, skip=True)), "skipping it for a later"),
+    ("ignores max_num_seqs", dict(schedule_step=partial(schedule, seats=False)), "more than max_num_seqs"),
+    ("ignores priority", dict(schedule_step=partial(schedule, order=lambda r: r.arrival)), "ignored priorities"),
+    ("shortest prompt first", dict(schedule_step=partial(schedule, order=lambda r: (r.prompt_len, r.arrival))),
+     "shortest prompt first"),
+    ("never chunks a prompt", dict(schedule_step=partial(schedule, chunk=False)), "chunked prefill"),
+    ("forgets to subtract the blocks it gave", dict(schedule_step=partial(schedule, subtract=False)),
      "subtract them before the next request"),
     ("evicts the most recently freed block", dict(take_free_block=take_most_recent), "LRU evicts the least recently"),
     ("keeps the evicted block's hash", dict(take_free_block=take_keeping_hash), "a stale entry"),
