@@ -578,7 +578,7 @@ def break_engine_after(llm, steps: int):
 
 def test_an_engine_thread_that_dies_ends_every_stream_with_an_error_turns_health_red_and_stops_the_server():
     llm = tiny_llm()
-    with no_leaked_threads(), serve(llm, limits=Limits(death_drain_s=1.0)) as server:
+    with no_leaked_threads(), serve(llm, limits=Limits(death_drain_s=3.0)) as server:
         c = client(server)
         assert httpx.get(server.url + "/health", trust_env=False).status_code == 200
         break_engine_after(llm, 5)
