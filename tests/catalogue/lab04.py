@@ -28,6 +28,12 @@ def append_then_sdpa(cache_k, cache_v, q, k_new, v_new):
     return keys, values, F.scaled_dot_product_attention(q[None], keys[None], values[None])[0]
 
 
+def append_then_einsum(cache_k, cache_v, q, k_new, v_new):
+    keys, values = torch.vstack([cache_k, k_new]), torch.vstack([cache_v, v_new])
+    weights = torch.einsum("qd,kd->qk", q, keys).div(keys.shape[1] ** 0.5).softmax(-1)
+    return keys, values, torch.einsum("qk,kd->qd", weights, values)
+
+
 def append_then_manual_softmax(cache_k, cache_v, q, k_new, v_new):
     keys, values = appended(cache_k, cache_v, k_new, v_new)
     scores = (q * keys).sum(-1) / keys.shape[1] ** 0.5
@@ -40,7 +46,7 @@ RIGHT = [
     Right("embed_token", "slices keep the row dimension", lambda E, PE, t, p: E[t:t + 1] + PE[p:p + 1]),
     Right("embed_token", "computed in float32", lambda E, PE, t, p: (E[t] + PE[p]).float()[None]),
     Right("append_and_attend", "cat then matmul softmax", append_then_attend),
-    Right("append_and_attend", "vstack then SDPA", append_then_sdpa),
+    Right("append_and_attend", "vstack then einsum", append_then_einsum),
     Right("append_and_attend", "manual stable softmax over the row", append_then_manual_softmax),
 ]
 
@@ -83,6 +89,8 @@ WRONG = [
           lambda ck, cv, q, k, v: (*appended(ck, cv, k, v), ref.attend(q, *appended(ck, cv, k, v))[2]),
           "`attend`",
           calls="labkit.worked_example.attend"),
+    Wrong("append_and_attend", "attends with torch's SDPA", append_then_sdpa, "scaled_dot_product_attention",
+          calls="torch.nn.functional.scaled_dot_product_attention"),
 ]
 
 
@@ -223,6 +231,49 @@ class FullAsIndexError(DoublingCache):
         super().room(needed)
 
 
+class GrowsOnlyDouble(DoublingCache):
+    """Doubles once, so a chunk longer than twice the capacity does not fit."""
+
+    def room(self, needed):
+        if needed > self.max_len:
+            raise ValueError("cache full")
+        if needed > self.capacity:
+            self.resize(min(2 * self.capacity, self.max_len))
+
+
+class GrowsBeforeChecking(DoublingCache):
+    """Grows the buffer first, then finds the append does not fit: the refusal changed the capacity."""
+
+    def room(self, needed):
+        if needed > self.capacity:
+            self.resize(min(max(2 * self.capacity, needed), self.max_len))
+        if needed > self.max_len:
+            raise ValueError("cache full")
+
+
+class OneLengthForAllLayers(DoublingCache):
+    """One length shared by all layers, advanced by layer 0: right only when every layer appends alike."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.length = 0
+
+    def seq_len(self, layer):
+        return self.length
+
+    def append(self, layer, k, v):
+        self.check(k, v)
+        n = k.shape[1]
+        start = self.length if layer == 0 else self.length - n
+        self.room(start + n)
+        self.keys[layer, :, start:start + n], self.values[layer, :, start:start + n] = k, v
+        if layer == 0:
+            self.length = start + n
+
+    def get(self, layer):
+        return self.keys[layer, :, :self.length], self.values[layer, :, :self.length]
+
+
 # ---- generate_timed ----------------------------------------------------------------------------------
 
 def generate_loop(model, prompt, max_new, eos, clock, *, cached=True, prefill_whole=True, keep_eos=True,
@@ -291,6 +342,10 @@ WRONG += [
     Wrong("GrowingKVCache", "no shape check (torch's error instead)", NoShapeCheck, "naming the expected shape"),
     Wrong("GrowingKVCache", "writes every layer at once", OneStorageForAllLayers, "own storage"),
     Wrong("GrowingKVCache", "a full cache raises IndexError", FullAsIndexError, "ValueError saying it is full"),
+    Wrong("GrowingKVCache", "grows to 2 x capacity, not to what is needed", GrowsOnlyDouble,
+          "grow to max(2 * capacity, needed)"),
+    Wrong("GrowingKVCache", "grows before checking max_len", GrowsBeforeChecking, "check that the rows fit before"),
+    Wrong("GrowingKVCache", "one length shared by all layers", OneLengthForAllLayers, "keeps its own length"),
     Wrong("generate_timed", "feeds the whole sequence at every step",
           lambda *a: generate_loop(*a, cached=False), "feed it only the newest token"),
     Wrong("generate_timed", "prefills one prompt token at a time",

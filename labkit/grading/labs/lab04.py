@@ -37,7 +37,8 @@ def embed_token(ns):
     return "X[t] = E[token] + PE[t], one 1 x d_model row"
 
 
-@exercise("04", "append_and_attend", forbidden=("labkit.worked_example.attend",))
+@exercise("04", "append_and_attend", forbidden=("labkit.worked_example.attend",
+                                               "torch.nn.functional.scaled_dot_product_attention"))
 def append_and_attend(ns):
     fn = require(ns, "append_and_attend")
     cached, d_k = 4, 3
@@ -99,6 +100,34 @@ def _expect_contents(cache, layer, keys, values, when):
                                  "(does every layer have its own storage?)")
 
 
+def _append(cache, layer, k, v, when, max_len):
+    """Append rows the cache has room for; a failure names why it should not have failed."""
+    capacity, needed = cache.capacity, cache.seq_len(layer) + k.shape[1]
+    failure = _raised(lambda: cache.append(layer, k, v))
+    if failure:
+        hint = (f"{k.shape[1]} rows do not fit even in a doubled buffer: grow to max(2 * capacity, needed)"
+                if needed > 2 * capacity else f"below max_len={max_len} a full buffer must grow")
+        raise ExerciseFailed(f"{when} (capacity {capacity}): append raised {failure[0]}: {failure[1][:100]}; "
+                             f"{hint}")
+
+
+def _expect_state(cache, lengths, keys, values, when):
+    """Every layer holds exactly the rows appended to it, and reports its own length."""
+    for layer, length in enumerate(lengths):
+        if cache.seq_len(layer) != length:
+            raise ExerciseFailed(f"{when}: seq_len({layer}) should be {length}, got {cache.seq_len(layer)!r} "
+                                 f"(the layers hold {lengths} rows: each layer keeps its own length)")
+        _expect_contents(cache, layer, keys[layer][:, :length], values[layer][:, :length], when)
+
+
+def _expect_full(failure, max_len):
+    if failure is None:
+        raise ExerciseFailed(f"an append past max_len={max_len} rows must raise, not grow past it")
+    if failure[0] != "ValueError" or not any(word in failure[1].lower() for word in ("full", "max_len")):
+        raise ExerciseFailed(f"a full cache should raise ValueError saying it is full (max_len), got "
+                             f"{failure[0]}: {failure[1][:100]}")
+
+
 @exercise("04", "GrowingKVCache", forbidden=("labkit.cache.kv_cache.PreallocatedKVCache.update",
                                              "labkit.worked_example.KVCache.append"))
 def growing_kv_cache(ns):
@@ -117,31 +146,43 @@ def growing_kv_cache(ns):
         when = f"after appending {n} to {length} rows"
         for layer in range(layers):
             step = slice(length, length + n)
-            failure = _raised(lambda layer=layer, step=step: cache.append(layer, keys[layer][:, step],
-                                                                          values[layer][:, step]))
-            if failure:
-                raise ExerciseFailed(f"{when} (capacity {cache.capacity}): append raised {failure[0]}: "
-                                     f"{failure[1][:100]}; below max_len={max_len} a full buffer must grow")
+            _append(cache, layer, keys[layer][:, step], values[layer][:, step], when, max_len)
         length += n
         if cache.capacity != capacity:
             hint = ("never beyond max_len" if cache.capacity > max_len else
                     "grow by doubling (at least to what is needed), so that n appends copy O(n) rows in all"
                     if cache.capacity < capacity else "grow only when the rows do not fit")
             raise ExerciseFailed(f"{when}: capacity should be {capacity}, got {cache.capacity!r}: {hint}")
-        for layer in range(layers):
-            if cache.seq_len(layer) != length:
-                raise ExerciseFailed(f"{when}: seq_len({layer}) should be {length}, got {cache.seq_len(layer)!r}")
-            _expect_contents(cache, layer, keys[layer][:, :length], values[layer][:, :length], when)
+        _expect_state(cache, [length] * layers, keys, values, when)
     extra_k, extra_v = torch.randn(heads, 1, head_dim, generator=g), torch.randn(heads, 1, head_dim, generator=g)
-    failure = _raised(lambda: cache.append(0, extra_k, extra_v))
-    if failure is None:
-        raise ExerciseFailed(f"appending to a cache holding max_len={max_len} rows must raise, not grow past it")
-    if failure[0] != "ValueError" or not any(word in failure[1].lower() for word in ("full", "max_len")):
-        raise ExerciseFailed(f"a full cache should raise ValueError saying it is full (max_len), got "
-                             f"{failure[0]}: {failure[1][:100]}")
+    _expect_full(_raised(lambda: cache.append(0, extra_k, extra_v)), max_len)
     if cache.seq_len(0) != max_len:
         raise ExerciseFailed("the append that was refused still changed the cache's length: check before updating")
     _expect_contents(cache, 0, keys[0], values[0], "after a refused append")
+
+    # A prompt longer than twice the capacity arrives in one chunk: doubling once is not enough.
+    big = cls(layers, heads, head_dim, capacity=2, max_len=5)
+    _append(big, 0, keys[0][:, :5], values[0][:, :5], "a 5-row prefill into a new cache of capacity 2", 5)
+    if big.capacity != 5:
+        raise ExerciseFailed(f"a 5-row prefill into capacity 2 (max_len 5): capacity should be 5, got "
+                             f"{big.capacity!r}: grow to max(2 * capacity, needed), capped at max_len")
+    _expect_state(big, [5, 0], keys, values, "after a 5-row prefill into layer 0 only")
+
+    # Layers filled unevenly (as during a forward pass), and a refused append that would have grown the buffer.
+    uneven = cls(layers, heads, head_dim, capacity=2, max_len=max_len)
+    _append(uneven, 0, keys[0][:, :3], values[0][:, :3], "3 rows into layer 0 of a new cache", max_len)
+    _append(uneven, 1, keys[1][:, :1], values[1][:, :1], "then 1 row into layer 1", max_len)
+    _expect_state(uneven, [3, 1], keys, values, "after 3 rows into layer 0 and 1 into layer 1")
+    more_k, more_v = torch.randn(heads, 8, head_dim, generator=g), torch.randn(heads, 8, head_dim, generator=g)
+    _expect_full(_raised(lambda: uneven.append(0, more_k, more_v)), max_len)
+    when = f"after a refused append of 8 rows to layer 0's 3 (max_len={max_len})"
+    if uneven.capacity != 4:
+        raise ExerciseFailed(f"{when}: capacity should still be 4, got {uneven.capacity!r}: a refused append "
+                             "leaves the cache as it was, so check that the rows fit before growing")
+    _expect_state(uneven, [3, 1], keys, values, when)
+    _append(uneven, 1, keys[1][:, 1:4], values[1][:, 1:4], "then 3 more rows into layer 1", max_len)
+    _expect_state(uneven, [3, 4], keys, values, "after 3 more rows into layer 1")
+
     small = cls(layers, heads, head_dim, capacity=4, max_len=8)
     bad_inputs = (
         ("a key with head_dim 4 instead of 3", (heads, 1, head_dim + 1), (heads, 1, head_dim + 1)),
@@ -157,7 +198,8 @@ def growing_kv_cache(ns):
                                  f"[heads, tokens, head_dim], got {'no error' if failure is None else failure[0]}")
         if small.seq_len(0) != 0:
             raise ExerciseFailed(f"{what} was refused but still counted: validate before changing anything")
-    return "appends per layer, grows by doubling up to max_len, refuses full appends and bad shapes cleanly"
+    return ("appends per layer (each its own length), grows to max(2 x capacity, needed) up to max_len, refuses full "
+            "appends and bad shapes leaving the cache as it was")
 
 
 # ---- the generation loop, timed ----------------------------------------------------------------------
