@@ -28,8 +28,8 @@ def build_x_indexing(E, PE, token_ids, start=0):
     ids = torch.tensor(token_ids, dtype=torch.long)
     if len(ids) and (ids.min() < 0 or ids.max() >= len(E)):
         raise ValueError("token id out of range")
-    if start + len(ids) > len(PE):
-        raise ValueError("not enough positional encodings")
+    if start < 0 or start + len(ids) > len(PE):
+        raise ValueError("no positional encoding for those positions")
     return E[ids] + PE[start:start + len(ids)]
 
 
@@ -257,4 +257,61 @@ WRONG += [
           lambda lo, w: (int((lo @ w)[-1].argmax()), (lo @ w).softmax(0)[-1]), "softmax ran over positions"),
     Wrong("next_token", "no check for an empty input", next_token_with(check_empty=False), "raise a ValueError"),
     Wrong("next_token", "argmax over all positions flattened", next_token_with(flat=True), "flattened"),
+
+]
+
+
+def build_x_refusing_the_last_row(E, PE, token_ids, start=0):
+    if any(t < 0 or t >= len(E) for t in token_ids):
+        raise ValueError("bad token id")
+    if start < 0 or start + len(token_ids) >= len(PE):
+        raise ValueError("no PE row for that position")
+    return E[token_ids] + PE[start:start + len(token_ids)]
+
+
+def build_x_without_start_check(E, PE, token_ids, start=0):
+    if any(t < 0 or t >= len(E) for t in token_ids):
+        raise ValueError("bad token id")
+    if start + len(token_ids) > len(PE):
+        raise ValueError("no PE row for that position")
+    return E[token_ids] + PE[start:start + len(token_ids)]
+
+
+def build_x_in_place(E, PE, token_ids, start=0):
+    check_range(E, PE, token_ids, start)
+    rows = PE[start:start + len(token_ids)]
+    return rows.add_(E[token_ids])
+
+
+def causal_softmax_in_place(scores):
+    n_queries, n_keys = scores.shape
+    scores.masked_fill_(torch.ones(n_queries, n_keys, dtype=torch.bool).triu(n_keys - n_queries + 1), float("-inf"))
+    return scores.softmax(-1)
+
+
+def next_token_best_anywhere(layer_output, W_lm):
+    if len(layer_output) == 0:
+        raise ValueError("no positions")
+    logits = layer_output @ W_lm
+    return int(logits.max(0).values.argmax()), logits[-1].softmax(-1)
+
+
+WRONG += [
+    Wrong("build_x", "refuses the last valid position (off by one)", build_x_refusing_the_last_row,
+          "the last row, PE[7], is a valid position"),
+    Wrong("build_x", "a negative start is not refused", build_x_without_start_check, "start=-1"),
+    Wrong("build_x", "writes into PE in place", build_x_in_place, "PE was modified in place"),
+    Wrong("build_x", "computed in float32", lambda E, PE, ids, start=0: build_x_indexing(E, PE, ids, start).float(),
+          "the lab computes in float64"),
+    Wrong("scaled_scores", "computed in float32",
+          lambda Q, K: (Q.float() @ K.float().T) / math.sqrt(K.shape[-1]), "the lab computes in float64"),
+    Wrong("causal_softmax", "masks the caller's scores in place", causal_softmax_in_place, "in place"),
+    Wrong("causal_softmax", "computed in float32", lambda s: causal_softmax_offset(s.float()),
+          "the lab computes in float64"),
+    Wrong("multi_head_attention", "d_k taken as d_model / heads",
+          mha_with(scale=lambda X, d_k, h: math.sqrt(X.shape[1] / h)), "d_k was taken as d_model / heads"),
+    Wrong("next_token", "the best token at any position", next_token_best_anywhere,
+          "only the last position chooses"),
+    Wrong("next_token", "probabilities in float32",
+          lambda lo, w: (int((lo[-1] @ w).argmax()), (lo[-1] @ w).float().softmax(-1)), "the lab computes in float64"),
 ]

@@ -6,7 +6,15 @@ import math
 import torch
 
 from labkit import worked_example as ref
-from labkit.grading import ExerciseFailed, exercise, expect_tensor, expect_value_error, require, tensors_close
+from labkit.grading import (
+    ExerciseFailed,
+    exercise,
+    expect_tensor,
+    expect_value_error,
+    raised_type,
+    require,
+    tensors_close,
+)
 
 
 def _random(*shape, seed):
@@ -18,6 +26,12 @@ def _close(a, b):
     return tensors_close(a, b, atol=1e-9 if getattr(a, "dtype", None) == torch.float64 else 1e-5)
 
 
+def _expect_float64(got, what):
+    """The lab computes in float64 (its text says so); a float32 answer blurs the book's rounding."""
+    if got.dtype != torch.float64:
+        raise ExerciseFailed(f"{what} came back in {got.dtype} for float64 inputs: the lab computes in float64, "
+                             "so keep the inputs' dtype (no .float())")
+
 
 
 @exercise("03", "build_x", forbidden=("labkit.worked_example.build_x",))
@@ -26,7 +40,11 @@ def build_x(ns):
     embeddings, positional = _random(7, 3, seed=30), _random(8, 3, seed=31)
     for token_ids in ([4, 1, 6, 4], [5, 0, 2, 2, 3, 1]):
         n = len(token_ids)
-        got = expect_tensor(fn(embeddings, positional, list(token_ids)), (n, 3), f"X for {n} tokens of d_model 3")
+        given_e, given_pe = embeddings.clone(), positional.clone()
+        got = expect_tensor(fn(given_e, given_pe, list(token_ids)), (n, 3), f"X for {n} tokens of d_model 3")
+        if not (torch.equal(given_e, embeddings) and torch.equal(given_pe, positional)):
+            raise ExerciseFailed(f"{'E' if not torch.equal(given_e, embeddings) else 'PE'} was modified in place "
+                                 "(+=, add_): the model's tables are read, never written; return a new tensor")
         ids = torch.tensor(token_ids)
         if _close(got, embeddings[ids]):
             raise ExerciseFailed("the positional encodings were not added: X[i] = E[token_i] + PE[i]")
@@ -39,12 +57,21 @@ def build_x(ns):
         if _close(got, embeddings[ids] * positional[:n]):
             raise ExerciseFailed("E and PE were multiplied: the positional encoding is added, "
                                  "X[i] = E[token_i] + PE[i]")
+        _expect_float64(got, "X")
         if not _close(got, ref.build_x(embeddings, positional, token_ids)):
             raise ExerciseFailed(f"X differs from E[token_ids] + PE[0:len(token_ids)] for {n} fresh tokens")
-    for token_ids, start in (([3], 5), ([2, 6, 0], 4)):  # tokens after `start` cached ones (a decode step)
+    # tokens after `start` cached ones (a decode step); the last two reach PE's last row, position 7
+    for token_ids, start in (([3], 5), ([2, 6, 0], 4), ([1, 5], 6), ([4], 7)):
         n = len(token_ids)
-        got = expect_tensor(fn(embeddings, positional, list(token_ids), start), (n, 3),
-                            f"X for {n} tokens starting at position {start}")
+        try:
+            got = fn(embeddings, positional, list(token_ids), start)
+        except Exception as error:
+            if start + n == len(positional):
+                raise ExerciseFailed(f"{n} token(s) at positions {start}..{start + n - 1} with {len(positional)} "
+                                     f"rows of PE raised {raised_type(error)}: the last row, PE[{start + n - 1}], "
+                                     "is a valid position (off by one in the range check?)") from None
+            raise
+        got = expect_tensor(got, (n, 3), f"X for {n} tokens starting at position {start}")
         ids = torch.tensor(token_ids)
         if _close(got, embeddings[ids] + positional[:n]):
             raise ExerciseFailed(f"start={start} was ignored: tokens after {start} cached ones sit at positions "
@@ -58,7 +85,9 @@ def build_x(ns):
     expect_value_error(lambda: fn(embeddings, positional, [7]), "token id 7 for a 7-row E", "it has no such row")
     expect_value_error(lambda: fn(embeddings, positional, [1, 2, 3], 6), "positions 6..8 with 8 rows of PE",
                         "PE has no row for position 8")
-    return "X[i] = E[token_i] + PE[start + i], and ids or positions out of range are refused"
+    expect_value_error(lambda: fn(embeddings, positional, [2], -1), "start=-1",
+                       "there is no position -1, and torch would silently take PE's last row")
+    return "X[i] = E[token_i] + PE[start + i] in float64, and ids or positions out of range are refused"
 
 
 @exercise("03", "scaled_scores", forbidden=("labkit.worked_example.scaled_scores",))
@@ -77,6 +106,7 @@ def scaled_scores(ns):
                                  "softmax comes in the next step, after the mask)")
         if _close(got, raw / math.sqrt(2)) and d_k != 2:
             raise ExerciseFailed("sqrt(2) is hard-coded: take d_k from the keys' last dimension")
+        _expect_float64(got, "the scores")
         if not _close(got, ref.scaled_scores(q, k)):
             raise ExerciseFailed("scores differ from Q K^T / sqrt(d_k) (row i: query i against every key)")
     return "Q K^T / sqrt(d_k), for any number of queries, keys and d_k"
@@ -93,7 +123,11 @@ def _future(n_queries, n_keys):
 def causal_softmax(ns):
     fn = require(ns, "causal_softmax")
     scores = _random(4, 4, seed=34)
-    got = expect_tensor(fn(scores.clone()), (4, 4), "weights for 4x4 scores")
+    given = scores.clone()
+    got = expect_tensor(fn(given), (4, 4), "weights for 4x4 scores")
+    if not torch.equal(given, scores):
+        raise ExerciseFailed("causal_softmax changed its input scores in place (masked_fill_, softmax into it): the "
+                             "caller's scores are still needed; use masked_fill, which returns a new tensor")
     if torch.isnan(got).any() or (got.diagonal()[1:].abs() < 1e-12).all():
         raise ExerciseFailed("the mask hides the diagonal: a token must attend to itself "
                              "(and row 0 would have nothing left to attend to)")
@@ -113,6 +147,7 @@ def causal_softmax(ns):
         if _close(got, scores.masked_fill(past, float("-inf")).softmax(-1)):
             raise ExerciseFailed("the mask hides the past instead of the future: hide j > i (above the diagonal)")
         raise ExerciseFailed("future positions (j > i) got non-zero weight")
+    _expect_float64(got, "the weights")
     if not _close(got, ref.causal_softmax(scores)):
         raise ExerciseFailed("weights differ from softmax over each row with j > i set to -inf")
     for n_queries, n_keys, seed in ((2, 5, 35), (1, 4, 36)):  # the last queries of a longer sequence
@@ -154,9 +189,13 @@ def _mha_mistake(got_w, got_out, x, w_q, w_k, w_v, w_o, h):
                 "view as [n, heads, d_k], then transpose to [heads, n, d_k]")
     split = [_split_heads(t, h) for t in (q, k, v)]
     for scale, what in ((math.sqrt(x.shape[1]), "sqrt(d_model)"), (math.sqrt(h * d_k), "sqrt(heads x d_k)"),
-                        (d_k, "d_k")):
-        if _close(got_w, ((split[0] @ split[1].transpose(-2, -1)) / scale).masked_fill(
-                _future(n, n), float("-inf")).softmax(-1)):
+                        (d_k, "d_k"), (math.sqrt(x.shape[1] / h), "sqrt(d_model / heads)")):
+        scaled = (split[0] @ split[1].transpose(-2, -1)) / scale
+        if not math.isclose(scale, math.sqrt(d_k)) and _close(
+                got_w, scaled.masked_fill(_future(n, n), float("-inf")).softmax(-1)):
+            if what == "sqrt(d_model / heads)":
+                return (f"d_k was taken as d_model / heads = {x.shape[1] // h}, but here heads x d_k = {h * d_k} is "
+                        f"not d_model = {x.shape[1]}: take d_k from the projections (W_Q's columns / heads)")
             return f"scores were scaled by {what}: each head divides by sqrt(d_k) of that head"
     if _close(got_w, (ref.scaled_scores(split[0], split[1])).softmax(-1)):
         return "no causal mask: in a prefill every query must be kept from later positions"
@@ -214,6 +253,7 @@ def next_token(ns):
     fn = require(ns, "next_token")
     for n, d, vocab, seed in ((3, 4, 7, 50), (1, 5, 11, 51), (6, 3, 5, 52)):
         layer_output, w_lm = _random(n, d, seed=seed), _random(d, vocab, seed=seed + 1)
+        layer_output[0] *= 10  # the first position's logits dwarf the rest, so its best token leads overall
         logits = layer_output @ w_lm
         got = fn(layer_output.clone(), w_lm)
         if not (isinstance(got, tuple) and len(got) == 2):
@@ -234,10 +274,13 @@ def next_token(ns):
             raise ExerciseFailed("those are logits: the probabilities are their softmax")
         if n > 1 and _close(probs, logits.softmax(0)[-1]):
             raise ExerciseFailed("the softmax ran over positions: take it over the vocabulary (the last dimension)")
+        _expect_float64(probs, "the probabilities")
         if not _close(probs, logits[-1].softmax(-1)):
             raise ExerciseFailed("the probabilities differ from softmax(layer_output[-1] @ W_LM)")
-        if token == int(logits.argmax()) and token != int(logits[-1].argmax()):
-            raise ExerciseFailed("argmax over every position's logits flattened: take it over the last row only")
+        overall = {int(logits.argmax()) % vocab, int(logits.max(0).values.argmax())}
+        if token in overall and token != int(logits[-1].argmax()):
+            raise ExerciseFailed("argmax over every position's logits (flattened, or the best of each column): "
+                                 "only the last position chooses the next token, so take it over the last row only")
         if token != int(logits[-1].argmax()):
             raise ExerciseFailed(f"token {token} is not the most probable one ({int(logits[-1].argmax())})")
     expect_value_error(lambda: fn(torch.zeros(0, 4, dtype=torch.float64), _random(4, 5, seed=53)),
