@@ -144,6 +144,27 @@ def new_tokens_only(q, k_new, v_new, cache):
     return make_attention(append=False)(q, k_new, v_new, {"k": cache["k"][:, :0], "v": cache["v"][:, :0]})
 
 
+def group_of_three(q, k_new, v_new, cache):
+    """SmolLM2's group (9 query heads on 3 KV heads) hard-coded."""
+    cache["k"] = torch.cat([cache["k"], k_new.transpose(0, 1)], 1)
+    cache["v"] = torch.cat([cache["v"], v_new.transpose(0, 1)], 1)
+    n, total = q.shape[0], cache["k"].shape[1]
+    k, v = cache["k"].repeat_interleave(3, 0), cache["v"].repeat_interleave(3, 0)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / q.shape[-1] ** 0.5
+    allowed = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+
+def rotary_in_input_dtype(x, positions, theta):
+    """Frequencies, angles and rotation all in x's dtype: fine in float32, wrong in fp16 and bf16."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2).to(x.dtype) / d)
+    angles = positions.to(x.dtype)[:, None] * inv[None]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
 def labkit_causal(q, k_new, v_new, cache):
     cache["k"] = torch.cat([cache["k"], k_new.transpose(0, 1)], 1)
     cache["v"] = torch.cat([cache["v"], v_new.transpose(0, 1)], 1)
@@ -156,7 +177,6 @@ RIGHT = [
     Right("apply_rotary", "half-split cos/sin", rotary_half_split),
     Right("apply_rotary", "complex multiplication", rotary_complex),
     Right("attention_with_cache", "matmul softmax with repeat_interleave", make_attention()),
-    Right("attention_with_cache", "SDPA with an end-aligned mask and enable_gqa", sdpa_with_mask),
     Right("attention_with_cache", "loop over heads and queries", per_head_loop),
 ]
 
@@ -202,9 +222,16 @@ WRONG = [
           "repeat_interleave"),
     Wrong("attention_with_cache", "mask aligned to the first key", make_attention(align_end=False),
           "aligned to the first key"),
-    Wrong("attention_with_cache", "SDPA's is_causal with a cache", sdpa_is_causal, "aligned to the first key"),
+    Wrong("attention_with_cache", "SDPA's is_causal with a cache", sdpa_is_causal, "scaled_dot_product_attention",
+          calls="torch.nn.functional.scaled_dot_product_attention"),
+    Wrong("attention_with_cache", "SDPA with an end-aligned mask and enable_gqa", sdpa_with_mask,
+          "scaled_dot_product_attention", calls="torch.nn.functional.scaled_dot_product_attention"),
     Wrong("attention_with_cache", "no causal mask", no_mask_attention, "causal mask"),
     Wrong("attention_with_cache", "attends over the new tokens only", new_tokens_only, "differs from causal attention"),
+    Wrong("attention_with_cache", "GQA group hard-coded to SmolLM2's 3", group_of_three, "not SmolLM2's 3"),
+    Wrong("apply_rotary", "computed in the input's half precision", rotary_in_input_dtype, "compute the frequencies"),
+    Wrong("apply_rotary", "returns float32 for a half-precision x", lambda x, p, theta: rotary(x, p, theta),
+          "return the input's dtype"),
     Wrong("attention_with_cache", "returned the wrong shape", lambda q, k, v, cache: q[:, :2], "should have shape"),
     Wrong("attention_with_cache", "calls labkit's causal_attention", labkit_causal,
           "`causal_attention`", calls="labkit.attention.dense.causal_attention"),
@@ -235,7 +262,8 @@ def swiglu_split_weights(x, gate_up, down):
 
 def layer_answer(*, attn_residual=True, mlp_residual=True, post_norm=False, one_norm=False, rotate_k=True,
                  rotate_v=False, o_proj=True, hidden_widths=False, positions_from_zero=False,
-                 head_dim_from_hidden=False, out_to_hidden=False, square_o=False):
+                 head_dim_from_hidden=False, out_to_hidden=False, square_o=False, o_transposed=True,
+                 mlp_normed=True, parallel=False):
     def norm(x, w, eps):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -248,6 +276,7 @@ def layer_answer(*, attn_residual=True, mlp_residual=True, post_norm=False, one_
 
     def decoder_layer(x, positions, weights, cache, config):
         n, hq, hkv, d = x.shape[0], config["num_heads"], config["num_kv_heads"], config["head_dim"]
+        layer_input = x
         if head_dim_from_hidden:
             d = x.shape[1] // hq
         if positions_from_zero:
@@ -268,11 +297,13 @@ def layer_answer(*, attn_residual=True, mlp_residual=True, post_norm=False, one_
         out = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values).transpose(0, 1)
         out = out.reshape(n, x.shape[1] if out_to_hidden else -1)
         o = weights["o"].reshape(x.shape[1], x.shape[1]) if square_o else weights["o"]
-        out = out @ o.T if o_proj else out
+        out = out @ (o.T if o_transposed else o) if o_proj else out
         x = x + out if attn_residual else out
         if post_norm:
             x = norm(x, weights["input_norm"], config["eps"])
-        h = x if post_norm else norm(x, weights["input_norm" if one_norm else "post_norm"], config["eps"])
+        mlp_input = layer_input if parallel else x
+        normed = norm(mlp_input, weights["input_norm" if one_norm else "post_norm"], config["eps"])
+        h = mlp_input if post_norm or not mlp_normed else normed
         mlp = swiglu(h, weights["gate_up"], weights["down"])
         x = x + mlp if mlp_residual else mlp
         return norm(x, weights["post_norm"], config["eps"]) if post_norm else x
@@ -337,6 +368,10 @@ WRONG += [
           "num_heads * head_dim wide"),
     Wrong("decoder_layer", "O projection as (H, H) (nano-vLLM walk-through)", layer_answer(square_o=True),
           "not 32 / 4 = 8"),
+    Wrong("decoder_layer", "o applied without .T", layer_answer(o_transposed=False), "out @ o.T"),
+    Wrong("decoder_layer", "MLP on the un-normalised stream", layer_answer(mlp_normed=False),
+          "MLP read the un-normalised stream"),
+    Wrong("decoder_layer", "a parallel block (GPT-J style)", layer_answer(parallel=True), "parallel block"),
     Wrong("decoder_layer", "QKV widths with H for head_dim (nano-vLLM walk-through)",
           layer_answer(hidden_widths=True), "split it with head_dim, not the hidden size"),
 ]

@@ -105,7 +105,31 @@ def apply_rotary(ns):
             raise ExerciseFailed("theta was ignored (10000 is only the default): SmolLM2 uses 100000")
         if not tensors_close(got, expected, atol=1e-4):
             raise ExerciseFailed(f"the rotation differs from labkit's for theta={theta:g}")
-    return "half-split pairs rotated by position * theta^(-2i/d), any theta"
+    _rotary_half_precision(fn, g)
+    return "half-split pairs rotated by position * theta^(-2i/d), any theta, in float32 for fp16 and bf16 inputs"
+
+
+_HALF_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}  # a few units in the last place of values near 4
+
+
+def _rotary_half_precision(fn, g):
+    """fp16 and bf16 inputs far into a sequence: right only if the angles are computed in float32."""
+    theta, positions = 100000.0, torch.tensor([0, 3, 500, 1000, 2500, 4000])
+    x = torch.randn(len(positions), 3, 8, generator=g)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(8, theta), torch.float32)
+    for dtype, tolerance in _HALF_TOLERANCE.items():
+        given = x.to(dtype)
+        got = expect_tensor(fn(given.clone(), positions, theta), x.shape, f"the rotated {dtype} x")
+        if got.dtype != dtype:
+            raise ExerciseFailed(f"a {dtype} x came back as {got.dtype}: compute in float32, then return the "
+                                 "input's dtype (x.dtype)")
+        expected = ref_rotary(given.float(), cos, sin)
+        error = (got.float() - expected).abs().max().item()
+        if not error <= tolerance:
+            raise ExerciseFailed(f"a {dtype} x at positions up to {int(positions.max())} (theta={theta:g}) is off "
+                                 f"by up to {error:.3g}: compute the frequencies, angles, cos/sin and the rotation "
+                                 f"in float32 (in {dtype} theta^(...) overflows or position * frequency loses whole "
+                                 "radians), then cast the result back to x.dtype")
 
 
 # ---- attention with a KV cache ---------------------------------------------------------------------------
@@ -128,12 +152,29 @@ def _attend(q, k, v, cached, *, scale=True, align_end=True, interleave=True):
 @exercise("05", "attention_with_cache", forbidden=(
     "labkit.attention.dense.causal_attention", "labkit.attention.dense.dense_attention",
     "labkit.attention.reference.naive_attention", "labkit.cache.KVCache.__call__",
-    "labkit.grading.labs.lab05._attend",
+    "labkit.grading.labs.lab05._attend", "torch.nn.functional.scaled_dot_product_attention",
 ))
 def attention_with_cache(ns):
     fn = require(ns, "attention_with_cache")
-    g = torch.Generator().manual_seed(52)
-    hq, hkv, d, steps = 6, 2, 8, (4, 2, 1, 1, 1)  # prefill 4, a chunk of 2, three decode steps
+    _attention_steps(fn, 6, 2, 52)  # SmolLM2's proportions: groups of 3 query heads per KV head
+    for hq, hkv, seed in ((8, 2, 58), (4, 4, 59)):  # groups of 4, and plain multi-head attention
+        where = f"with {hq} query heads on {hkv} KV heads (groups of {hq // hkv})"
+        try:
+            _attention_steps(fn, hq, hkv, seed)
+        except ExerciseFailed as failure:
+            raise ExerciseFailed(f"right with 6 query heads on 2 KV heads, wrong {where}: {failure} (take the "
+                                 "group size from the shapes, num_heads // num_kv_heads, not SmolLM2's 3)") from None
+        except Exception as error:
+            raise ExerciseFailed(f"right with 6 query heads on 2 KV heads, but {where} it raised "
+                                 f"{raised_type(error)}: take the group size from the shapes, "
+                                 "num_heads // num_kv_heads, not SmolLM2's 3") from None
+    return "appends to the cache, attends causally over it, GQA heads grouped for any group size"
+
+
+def _attention_steps(fn, hq, hkv, seed):
+    """A prefill of 4, a chunk of 2 and three decode steps through `fn`, checked against labkit's attention."""
+    g = torch.Generator().manual_seed(seed)
+    d, steps = 8, (4, 2, 1, 1, 1)
     total = sum(steps)
     q, k, v = torch.randn(total, hq, d, generator=g), torch.randn(total, hkv, d, generator=g), \
         torch.randn(total, hkv, d, generator=g)
@@ -164,10 +205,10 @@ def attention_with_cache(ns):
         return torch.cat([_attend(q[a:b], k[:b], v[:b], a, **mistake) for a, b in bounds])
 
     if tensors_close(got, reference()):
-        return "appends to the cache, attends causally over it, GQA heads grouped correctly"
+        return
     if tensors_close(got, reference(scale=False)):
         raise ExerciseFailed("scores were not divided by sqrt(head_dim)")
-    if tensors_close(got, reference(interleave=False)):
+    if hq != hkv and tensors_close(got, reference(interleave=False)):
         raise ExerciseFailed("query head h must use KV head h // (Hq / Hkv): expand KV heads with "
                              "repeat_interleave, not repeat")
     if tensors_close(got, reference(align_end=False)):
@@ -267,10 +308,10 @@ def _layer_weights(seed, cfg=_LAYER_CONFIG, hidden=None):
 
 
 def _layer(x, w, cfg, *, attn_residual=True, mlp_residual=True, post_norm=False, one_norm=False,
-           rotate_k=True, rotate_v=False, o_proj=True):
+           rotate_k=True, rotate_v=False, o_proj=True, o_transposed=True, mlp_normed=True, parallel=False):
     """The whole sequence through a layer, with switches that reproduce the usual mistakes."""
     hq, hkv, d = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-    n = x.shape[0]
+    n, layer_input = x.shape[0], x
     positions = torch.arange(n)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(d, cfg["rope_theta"]), torch.float32)
     post_weight = w["input_norm"] if one_norm else w["post_norm"]
@@ -281,11 +322,12 @@ def _layer(x, w, cfg, *, attn_residual=True, mlp_residual=True, post_norm=False,
     k = ref_rotary(k, cos, sin) if rotate_k else k
     v = ref_rotary(v, cos, sin) if rotate_v else v
     out = causal_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1).reshape(n, -1)
-    out = out @ w["o"].T if o_proj else out
+    out = out @ (w["o"].T if o_transposed else w["o"]) if o_proj else out
     x = x + out if attn_residual else out
     if post_norm:
         x = _rms(x, w["input_norm"], cfg["eps"])
-    h = x if post_norm else _rms(x, post_weight, cfg["eps"])
+    mlp_input = layer_input if parallel else x
+    h = mlp_input if post_norm or not mlp_normed else _rms(mlp_input, post_weight, cfg["eps"])
     mlp = _swiglu(h, w["gate_up"], w["down"])
     x = x + mlp if mlp_residual else mlp
     return _rms(x, w["post_norm"], cfg["eps"]) if post_norm else x
@@ -347,6 +389,12 @@ def _name_layer_mistake(got, expected, x, w, cfg):
         ({"rotate_k": False}, "the keys were not rotated: rotary goes on queries and keys alike"),
         ({"rotate_v": True}, "the values were rotated too: rotary goes on queries and keys only"),
         ({"o_proj": False}, "the output projection o was left out: the heads' outputs go through it"),
+        ({"o_transposed": False}, "o was applied as out @ o: like every nn.Linear weight it is [out_features, "
+                                  "in_features], so a layer computes out @ o.T"),
+        ({"mlp_normed": False}, "the MLP read the un-normalised stream: it takes post_norm(x), "
+                                "x = x + mlp(post_norm(x))"),
+        ({"parallel": True}, "that is a parallel block (attention and MLP both read the layer's input); Llama "
+                             "runs them in sequence: the MLP reads x after the attention's residual is added"),
     )
     for switches, why in mistakes:
         if tensors_close(got, _layer(x, w, cfg, **switches), atol=1e-4):
@@ -356,8 +404,9 @@ def _name_layer_mistake(got, expected, x, w, cfg):
         raise ExerciseFailed("the prefill is right but later steps are not: each step's positions (given) "
                              "rotate its queries and keys, and the cache holds every earlier token")
     raise ExerciseFailed("the output differs from labkit's DecoderLayer on the same weights "
-                         f"(max abs diff {(got - expected).abs().max():.3g}); split qkv into "
-                         "[num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim] columns")
+                         f"(max abs diff {(got - expected).abs().max():.3g}); check each step in Llama's order: "
+                         "input_norm, qkv split by head_dim, rotary on q and k, cached attention, o, residual, "
+                         "post_norm, SwiGLU, residual")
 
 
 def _wide_heads(fn):
@@ -378,7 +427,7 @@ def _wide_heads(fn):
                              "to hidden") from None
     if not tensors_close(got, expected, atol=1e-4):
         raise ExerciseFailed(f"right when hidden = num_heads * head_dim, wrong {why}: take head_dim from config, "
-                             "never hidden / num_heads")
+                             "never hidden / num_heads (and the GQA group from the head counts: here 2, not 3)")
 
 
 @exercise("05", "knowledge_check")
