@@ -270,6 +270,34 @@ def critical_batch_with(compare=lambda intensity, ridge: intensity >= ridge, cos
     return critical_batch
 
 
+def decode_refusing_zero(cfg, num_params, contexts, dtype_bytes=2):
+    if not contexts or min(contexts) <= 0:
+        raise ValueError("every context must be positive")
+    return decode_cost(cfg, num_params, contexts, dtype_bytes)
+
+
+def roofline_refusing_zero(intensity, peak_flops, bandwidth):
+    if intensity <= 0:
+        raise ValueError("the intensity must be positive")
+    return roofline_min(intensity, peak_flops, bandwidth)
+
+
+def critical_batch_before_max(cfg, num_params, context, peak_flops, bandwidth, dtype_bytes=2, max_batch=4096):
+    one = decode_cost(cfg, num_params, [context], dtype_bytes)
+    for batch in range(1, max_batch):
+        if batch * one["flops"] / (one["weight_bytes"] + batch * one["kv_bytes"]) >= peak_flops / bandwidth:
+            return batch
+    return None
+
+
+def critical_batch_none_at_zero(cfg, num_params, context, *args):
+    return None if context == 0 else critical_batch_search(cfg, num_params, context, *args)
+
+
+def kv_with_query_heads(cfg, num_params, contexts, dtype_bytes=2):
+    return decode_cost({**cfg, "num_kv_heads": cfg["num_heads"]}, num_params, contexts, dtype_bytes)
+
+
 def weights_only_cost(cfg, num_params, contexts, dtype_bytes=2):
     flops = 2 * num_params * len(contexts)
     return {"intensity": flops / (num_params * dtype_bytes)}
@@ -335,6 +363,16 @@ WRONG += [
     Wrong("decode_intensity", "attention FLOPs per KV head",
           decode_with(flops=lambda c, p, s, b: 2 * p * len(s) + 4 * c["num_layers"] * c["num_kv_heads"]
                       * c["head_dim"] * sum(s)), "counted per KV head"),
+    Wrong("decode_intensity", "2 attention FLOPs per cached token and head dimension",
+          decode_with(flops=lambda c, p, s, b: 2 * p * len(s) + 2 * c["num_layers"] * c["num_heads"]
+                      * c["head_dim"] * sum(s)), "counted 2 per cached token"),
+    Wrong("decode_intensity", "refuses a context of 0", decode_refusing_zero, "a context of 0 is a sequence"),
+    Wrong("roofline", "refuses an intensity of 0", roofline_refusing_zero, "only a negative intensity"),
+    Wrong("critical_batch", "never tries max_batch itself (range(1, max_batch))", critical_batch_before_max,
+          "max_batch itself may be the answer"),
+    Wrong("critical_batch", "None for a context of 0", critical_batch_none_at_zero, "a context of 0"),
+    Wrong("critical_batch", "K/V bytes with the query heads", critical_batch_with(cost=kv_with_query_heads),
+          "K/V bytes counted with num_heads"),
     Wrong("decode_intensity", "accepts an empty batch", decode_no_checks, "was accepted"),
     Wrong("decode_intensity", "NaN everywhere (NaN compares unequal to nothing)",
           decode_with(**{key: lambda c, p, s, b: math.nan for key in ("flops", "weight_bytes", "kv_bytes")}),

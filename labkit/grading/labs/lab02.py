@@ -4,7 +4,7 @@ factor a wrong formula dropped."""
 import functools
 import math
 
-from labkit.grading import ExerciseFailed, exercise, expect_value_error, require
+from labkit.grading import ExerciseFailed, exercise, expect_value_error, raised_type, require
 
 _CONFIGS = [  # (layers, kv_heads, head_dim, seq_len, batch, dtype_bytes), each factor distinct
     (30, 3, 64, 777, 5, 4),
@@ -251,9 +251,11 @@ def _decode_cost(cfg, num_params, contexts, b):
 
 
 _DECODE_CASES = (  # (config, num_params, contexts, dtype_bytes): mixed lengths, GQA, one sequence, int8
-    (_PARAM_CONFIGS[0], 123_456, [5, 40, 17], 2),
     (dict(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64), 134_515_008, [1024] * 8 + [3, 77], 2),
+    # num_heads = 2 x num_kv_heads, where 2 FLOPs per cached token and a count per KV head coincide: after SmolLM2
+    (_PARAM_CONFIGS[0], 123_456, [5, 40, 17], 2),
     (dict(num_layers=4, num_heads=6, num_kv_heads=2, head_dim=16), 50_000, [9], 1),
+    (dict(num_layers=4, num_heads=6, num_kv_heads=2, head_dim=16), 50_000, [0, 12], 2),  # a fresh sequence: S = 0
 )
 
 
@@ -276,7 +278,15 @@ def _decode_mistake(got, cfg, num_params, contexts, b) -> str | None:
                 return f"every sequence was given {what} context: each reads its own contexts[i] tokens"
     if got["flops"] == 2 * num_params * batch:
         return "attention's FLOPs were left out: 4 x layers x num_heads x head_dim per cached token"
-    if got["flops"] == 2 * num_params * batch + 4 * layers * cfg["num_kv_heads"] * head_dim * sum(contexts):
+    halved = got["flops"] == 2 * num_params * batch + 2 * layers * cfg["num_heads"] * head_dim * sum(contexts)
+    per_kv_head = got["flops"] == 2 * num_params * batch + 4 * layers * cfg["num_kv_heads"] * head_dim * sum(contexts)
+    if halved and per_kv_head:  # num_heads = 2 x num_kv_heads: either mistake gives this count
+        return ("attention FLOPs are half of 4 x layers x num_heads x head_dim per cached token: 2 FLOPs per "
+                "element for q.k and 2 for the weighted V, for every query head (not per KV head)")
+    if halved:
+        return ("attention FLOPs counted 2 per cached token and head dimension: q.k is 2 FLOPs per element and the "
+                "weighted sum of V another 2, so 4 x layers x num_heads x head_dim per cached token")
+    if per_kv_head:
         return "attention FLOPs counted per KV head: every one of the num_heads query heads scores all keys"
     if got["flops"] == right["flops"] // 2 or got["flops"] == num_params * batch + (right["flops"] - 2 * num_params
                                                                                      * batch):
@@ -290,7 +300,14 @@ def _decode_mistake(got, cfg, num_params, contexts, b) -> str | None:
 def decode_intensity(ns):
     fn = require(ns, "decode_intensity")
     for cfg, num_params, contexts, b in _DECODE_CASES:
-        got = fn(dict(cfg), num_params, list(contexts), b)
+        try:
+            got = fn(dict(cfg), num_params, list(contexts), b)
+        except Exception as error:
+            if 0 not in contexts or raised_type(error) != "ValueError":
+                raise
+            raise ExerciseFailed(f"contexts {contexts} raised {raised_type(error)}: a context of 0 is a sequence "
+                                 "with an empty cache (its first step), valid; only a negative context is an "
+                                 "error") from None
         if not isinstance(got, dict) or set(got) != {"flops", "weight_bytes", "kv_bytes", "intensity"}:
             raise ExerciseFailed("return a dict with keys 'flops', 'weight_bytes', 'kv_bytes' and 'intensity'")
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in got.values()):
@@ -332,10 +349,16 @@ def roofline(ns):
     for peak, bandwidth in _MACHINES:
         ridge = peak / bandwidth
         exact_ridge = (ridge,) if ridge * bandwidth == peak else ()  # where floats can land on it exactly
-        intensities = (0.5, ridge / 3, *exact_ridge, ridge * 4, 1e6)
+        intensities = (0.0, 0.5, ridge / 3, *exact_ridge, ridge * 4, 1e6)
         answers = []
         for intensity in intensities:
-            got = fn(intensity, peak, bandwidth)
+            try:
+                got = fn(intensity, peak, bandwidth)
+            except Exception as error:
+                if intensity or raised_type(error) != "ValueError":
+                    raise
+                raise ExerciseFailed(f"an intensity of 0 raised {raised_type(error)}: only a negative intensity is an "
+                                     "error; 0 FLOP/byte attains 0 FLOP/s (memory-bound)") from None
             if not (isinstance(got, tuple) and len(got) == 2):
                 raise ExerciseFailed("return a pair: (attainable FLOP/s, 'memory' or 'compute')")
             if isinstance(got[0], bool) or not isinstance(got[0], (int, float)) or not math.isfinite(got[0]):
@@ -386,6 +409,7 @@ _BATCH_CASES = (  # (config, num_params, context, peak, bandwidth, dtype_bytes, 
     (_LLAMA3_8B, 8_030_261_248, 4096, 989e12, 3.35e12, 2, 4096),  # the K/V reads cap it: never
     (_SMOL, 134_515_008, 100, 50e12, 1e12, 1, 4096),
     (_SMOL, 134_515_008, 100, 50e12, 1e12, 1, 20),  # reachable, but not within max_batch
+    (_SMOL, 134_515_008, 100, 50e12, 1e12, 1, 31),  # reached at max_batch itself
     (_SMOL, 134_515_008, 0, 2e12, 1e12, 2, 4096),  # lands exactly on the ridge at batch 2
 )
 
@@ -418,9 +442,21 @@ def critical_batch(ns):
         if got in (weights_only, weights_only + 1):
             raise ExerciseFailed(f"{where}: the K/V reads were left out (that batch only shares the weights): each "
                                  "sequence also reads its own cache, which pulls the intensity down")
+        if got is None and want == max_batch:
+            raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound: max_batch itself may be the "
+                                 "answer (B <= max_batch), so search up to and including it")
+        if got is None and not context:
+            raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound: a context of 0 (sequences "
+                                 "with empty caches) is valid")
+        if got == _critical_batch({**cfg, "num_kv_heads": cfg["num_heads"]}, num_params, context, peak, bandwidth,
+                                  b, max_batch):
+            raise ExerciseFailed(f"{where}: got {got!r}, expected {want!r}: K/V bytes counted with num_heads; only "
+                                 "num_kv_heads heads are cached (GQA)")
         if want is None:
             raise ExerciseFailed(f"{where}: got {got!r}; no batch up to max_batch reaches the ridge, expected None")
+        if got is None:
+            raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound")
         if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseFailed(f"{where}: return a batch size (an int) or None, got {got!r}")
+            raise ExerciseFailed(f"{where}: return a batch size as an int (or None if there is none), got {got!r}")
         raise ExerciseFailed(f"{where}: got batch {got}, expected {want}")
     return "the smallest compute-bound batch, or None where the K/V reads keep decode below the ridge"
