@@ -130,16 +130,17 @@ def train_by_word_counts(text, num_merges):
 
 
 def encode_lowest_rank(text, merges):
-    out = []
-    for piece in pretokenize(text):
-        ids = list(piece.encode("utf-8"))
-        while len(ids) > 1:
-            pair = min(pairwise(ids), key=lambda p: merges.get(p, float("inf")))
-            if pair not in merges:
-                break
-            ids = merge_while(ids, pair, merges[pair])
-        out.extend(ids)
-    return out
+    return [i for piece in pretokenize(text) for i in _merge_ids(list(piece.encode("utf-8")), merges)]
+
+
+def _merge_ids(ids, merges):
+    """Repeatedly merge the lowest-ranked pair present."""
+    while len(ids) > 1:
+        pair = min(pairwise(ids), key=lambda p: merges.get(p, float("inf")))
+        if pair not in merges:
+            break
+        ids = merge_while(ids, pair, merges[pair])
+    return ids
 
 
 def encode_in_learned_order(text, merges):
@@ -193,17 +194,68 @@ def encode_all_text_at_once(text, merges):
 
 
 def encode_by_frequency(text, merges):
+    """Training's rule misapplied: merge the known pair most frequent in this text, until none is left."""
+    pieces = [list(piece.encode()) for piece in pretokenize(text)]
+    while True:
+        counts = Counter(pair for ids in pieces for pair in pairwise(ids) if pair in merges)
+        if not counts:
+            break
+        pair = max(counts, key=counts.get)
+        pieces = [merge_while(ids, pair, merges[pair]) for ids in pieces]
+    return [i for ids in pieces for i in ids]
+
+
+def encode_leftmost_first(text, merges):
     out = []
     for piece in pretokenize(text):
         ids = list(piece.encode())
-        while True:
-            counts = Counter({p: c for p, c in Counter(pairwise(ids)).items() if p in merges})
-            if not counts:
-                break
-            pair = counts.most_common(1)[0][0]
-            ids = merge_while(ids, pair, merges[pair])
+        i = 0
+        while i < len(ids) - 1:
+            if (ids[i], ids[i + 1]) in merges:
+                ids[i:i + 2] = [merges[ids[i], ids[i + 1]]]
+                i = 0
+            else:
+                i += 1
         out.extend(ids)
     return out
+
+
+def encode_dropping_the_last_piece(text, merges):
+    pieces = pretokenize(text)
+    return encode_lowest_rank("".join(pieces[:-1]), merges) if len(pieces) > 1 else encode_lowest_rank(text, merges)
+
+
+def encode_skipping_first_ids(text, merges):
+    """Merges only after each piece's first byte."""
+    out = []
+    for piece in pretokenize(text):
+        ids = list(piece.encode())
+        out.extend(ids[:1] + _merge_ids(ids[1:], merges))
+    return out
+
+
+
+def train_once_per_distinct_piece(text, num_merges):
+    """A set of pieces: ' the' weighs as much as a word seen once."""
+    return _train_pieces({tuple(piece.encode()) for piece in pretokenize(text)}, num_merges)
+
+
+def train_on_characters(text, num_merges):
+    return _train_pieces(Counter(tuple(ord(c) for c in piece) for piece in pretokenize(text)), num_merges)
+
+
+def _train_pieces(pieces, num_merges):
+    """The solution's loop over {piece: frequency} (a set counts each piece once)."""
+    pieces = dict.fromkeys(pieces, 1) if isinstance(pieces, set) else dict(pieces)
+    merges = {}
+    for step in range(num_merges):
+        counts = pair_counts_dict(pieces)
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        merges[pair] = 256 + step
+        pieces = {tuple(merge_while(list(ids), pair, 256 + step)): n for ids, n in pieces.items()}
+    return merges
 
 
 def encode_latest_first(text, merges):
@@ -324,8 +376,15 @@ WRONG = [
           "no merge was applied"),
     Wrong("bpe_encode", "merges across pretokenized pieces", encode_all_text_at_once,
           "applied across piece boundaries"),
-    Wrong("bpe_encode", "picks the most frequent pair, not the earliest merge", encode_by_frequency,
-          "earliest-learned merge first"),
+    Wrong("bpe_encode", "picks the most frequent pair in the new text, not the earliest merge", encode_by_frequency,
+          "how often a pair occurs in this text"),
+    Wrong("bpe_encode", "merges the leftmost known pair first", encode_leftmost_first, "leftmost mergeable pair"),
+    Wrong("bpe_encode", "drops the last piece", encode_dropping_the_last_piece, "then yours stop"),
+    Wrong("bpe_encode", "the first id of each piece left unmerged", encode_skipping_first_ids,
+          "differs from labkit's at position"),
+    Wrong("train_bpe", "counts each distinct piece once", train_once_per_distinct_piece,
+          "each distinct piece was counted once"),
+    Wrong("train_bpe", "characters (ord) instead of UTF-8 bytes", train_on_characters, "not bytes"),
     Wrong("bpe_encode", "applies the latest merges first", encode_latest_first,
           "latest-learned merges were applied first"),
     Wrong("bpe_encode", "returns the decoded string", lambda text, merges: text, "return a list of ids"),

@@ -166,6 +166,15 @@ def train_bpe(ns):
     if got == _train_without_pretokenizing(text, num_merges):
         raise ExerciseFailed("pairs were counted across piece boundaries: count within each piece of "
                              "pretokenize(text), so no token spans a space before a word")
+    unmade = next(((k, pair) for k, pair in enumerate(got) if max(pair) >= 256 + k), None)
+    if unmade:
+        k, pair = unmade
+        raise ExerciseFailed(f"merge {k} is {pair}: id {max(pair)} is no byte and no earlier merge made it, so the "
+                             "pieces were cut into characters (ord), not bytes; BPE starts from piece.encode('utf-8'), "
+                             "ids 0-255")
+    if got in (_train_unweighted(text, num_merges, ties) for ties in (min, max)):
+        raise ExerciseFailed("each distinct piece was counted once: a piece that occurs n times adds n to each of its "
+                             "pairs, so count the pieces with a Counter and weight the pair counts by it")
     first_wrong = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
     raise ExerciseFailed(f"merge {first_wrong} (new id {256 + first_wrong}) should be {expected[first_wrong]}, got "
                          f"{got[first_wrong]}; the most frequent pair wins, ties going to the smaller pair")
@@ -187,6 +196,19 @@ def _stops_when_pairs_run_out(fn):
     if got != expected:
         raise ExerciseFailed(f"train_bpe({text!r}, {asked}) should learn {len(expected)} merges and stop (no pair "
                              f"is left after that), got {len(got)}")
+
+
+def _train_unweighted(text, num_merges, ties):
+    """Training over the distinct pieces, each counted once; ties to the smaller pair (min) or the first seen."""
+    pieces, merges = list(dict.fromkeys(tuple(piece.encode("utf-8")) for piece in pretokenize(text))), []
+    for step in range(num_merges):
+        counts = Counter(pair for piece in pieces for pair in zip(piece, piece[1:], strict=False))
+        if not counts:
+            break
+        best = min(counts, key=lambda pair: (-counts[pair], pair)) if ties is min else max(counts, key=counts.get)
+        merges.append(best)
+        pieces = [tuple(merge_pair(list(piece), best, 256 + step)) for piece in pieces]
+    return merges
 
 
 def _train_without_pretokenizing(text, num_merges):
@@ -226,8 +248,17 @@ def bpe_encode(ns):
         if got == _encode_by_frequency(text, merges_dict):
             raise ExerciseFailed("merges were chosen by how often a pair occurs in this text: apply the "
                                  "earliest-learned merge first (the lowest new id), as training did")
-        raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) differs from labkit's: expected {expected[:12]}..., "
-                             f"got {got[:12]}...")
+        if got == _encode_leftmost_first(text, merges_dict):
+            raise ExerciseFailed("the leftmost mergeable pair of each piece was merged first: apply the "
+                                 "earliest-learned merge first (the lowest new id) wherever it is, as training did")
+        at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+                  min(len(got), len(expected)))
+        if at == len(got):
+            raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) gave {len(got)} ids, expected {len(expected)}: the "
+                                 f"first {at} are right, then yours stop (next expected: {expected[at:at + 6]})")
+        raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) differs from labkit's at position {at} (of "
+                             f"{len(expected)} ids): expected ...{expected[max(at - 2, 0):at + 6]}..., got "
+                             f"...{got[max(at - 2, 0):at + 6]}...")
     return "same ids as labkit's tokenizer with your merges"
 
 
@@ -249,15 +280,23 @@ def _encode_latest_first(text, merges):
 
 
 def _encode_by_frequency(text, merges_dict):
+    """Each step merges the known pair that is most frequent over the whole text (the training rule, misapplied)."""
+    pieces = [list(piece.encode("utf-8")) for piece in pretokenize(text)]
+    while True:
+        counts = Counter(pair for ids in pieces for pair in zip(ids, ids[1:], strict=False) if pair in merges_dict)
+        if not counts:
+            break
+        pair = counts.most_common(1)[0][0]
+        pieces = [merge_pair(ids, pair, merges_dict[pair]) for ids in pieces]
+    return [i for ids in pieces for i in ids]
+
+
+def _encode_leftmost_first(text, merges_dict):
     out = []
     for piece in pretokenize(text):
         ids = list(piece.encode("utf-8"))
-        while True:
-            counts = Counter({p: c for p, c in pair_counts(ids).items() if p in merges_dict})
-            if not counts:
-                break
-            pair = counts.most_common(1)[0][0]
-            ids = merge_pair(ids, pair, merges_dict[pair])
+        while (at := next((i for i in range(len(ids) - 1) if (ids[i], ids[i + 1]) in merges_dict), None)) is not None:
+            ids = ids[:at] + [merges_dict[ids[at], ids[at + 1]]] + ids[at + 2:]
         out.extend(ids)
     return out
 
