@@ -33,7 +33,17 @@ class Allocator:
         if self.mistake == "same_blocks":
             self.tables[seq_id], self.lens[seq_id] = list(range(self.blocks_for(length))), length
             return list(self.tables[seq_id])
-        self.tables[seq_id], self.lens[seq_id] = [], 0
+        if self.mistake == "allocate_one_at_a_time":  # the reviewer's allocate: take blocks until the pool runs dry
+            self.tables[seq_id] = []
+            for _ in range(self.blocks_for(length)):
+                if not self.free:
+                    raise MemoryError("out of blocks")
+                self.tables[seq_id].append(self.free.pop(0))
+            self.lens[seq_id] = length
+            return list(self.tables[seq_id])
+        if self.mistake != "registers_first" and self.blocks_for(length) > len(self.free):
+            raise MemoryError(f"{self.blocks_for(length)} blocks needed, {len(self.free)} free")
+        self.tables[seq_id], self.lens[seq_id] = [], 0  # "registers_first": an empty entry left behind on failure
         self.append_tokens(seq_id, length)
         return list(self.tables[seq_id])
 
@@ -214,6 +224,14 @@ def gather_token_by_token(kv_cache, block_table, seq_lengths, layer_idx, kv_idx)
     return out
 
 
+def gather_swapped(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
+    return gather(kv_cache, block_table, seq_lengths, kv_idx, layer_idx)
+
+
+def gather_layer_zero(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
+    return gather(kv_cache, block_table, seq_lengths, 0, kv_idx)
+
+
 def labkit_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
     out = gather_kv(kv_cache[:, layer_idx, kv_idx], block_table.clamp(min=0), int(seq_lengths.max()))
     return out * (torch.arange(out.shape[1])[None] < seq_lengths[:, None])[..., None, None]
@@ -331,6 +349,8 @@ WRONG = [
     Wrong("gather_kv_from_blocks", "no zero padding", lambda *a: gather(*a, mode="no_zero"), "zero padding"),
     Wrong("gather_kv_from_blocks", "blocks in reverse order", lambda *a: gather(*a, mode="order"), "wrong places"),
     Wrong("gather_kv_from_blocks", "ignored the block table", lambda *a: gather(*a, mode="contiguous"), "wrong places"),
+    Wrong("gather_kv_from_blocks", "layer and K/V indices swapped", gather_swapped, "layer and K/V axes swapped"),
+    Wrong("gather_kv_from_blocks", "always layer 0", gather_layer_zero, "asked for layer 1, gathered layer 0"),
     Wrong("gather_kv_from_blocks", "returned a list per sequence", lambda *a: list(gather(*a)), "return a tensor"),
     Wrong("gather_kv_from_blocks", "calls labkit's gather_kv", labkit_gather, "`gather_kv`",
           calls="labkit.attention.reference.gather_kv"),
@@ -338,6 +358,10 @@ WRONG = [
           "still counted its 40 tokens"),
     Wrong("SimpleBlockAllocator", "blocks taken one at a time until the pool runs dry (the lesson's order)",
           allocator_with("one_at_a_time"), "kept the block it took"),
+    Wrong("SimpleBlockAllocator", "a new sequence's blocks taken one at a time until the pool runs dry",
+          allocator_with("allocate_one_at_a_time"), "failed allocation kept the blocks"),
+    Wrong("SimpleBlockAllocator", "the sequence registered (empty) before the out-of-memory check",
+          allocator_with("registers_first"), "still registered"),
     Wrong("online_softmax_step", "no rescaling when the max grows", lambda *a: step(*a, rescale="none"),
           "not rescaled when the max grew"),
     Wrong("online_softmax_step", "l rescaled, acc not", lambda *a: step(*a, rescale="l"), "acc was not"),

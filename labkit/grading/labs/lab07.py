@@ -72,6 +72,21 @@ def _fails_without_a_trace(cls) -> None:
     sequence and retries the same request."""
     alloc = cls(total_blocks=5, block_size=16)
     alloc.allocate_sequence(seq_id=1, length=50)  # 4 blocks, 14 free slots in the last, 1 block free
+    _raises_memory_error(lambda: alloc.allocate_sequence(seq_id=2, length=40),
+                         "allocating 40 tokens (3 blocks, 1 free)")
+    util = alloc.get_utilization()
+    if not isinstance(util, float | int) or not math.isclose(util, 0.8):
+        raise ExerciseFailed(f"the failed allocation kept the blocks it took before the pool ran dry (utilization "
+                             f"{util!r}, was 0.8): count the blocks a new sequence needs and check that many are "
+                             "free before taking any")
+    try:
+        freed = alloc.free_sequence(seq_id=2)
+    except Exception:  # noqa: BLE001 - any error: sequence 2 is unknown, as it should be
+        pass
+    else:
+        raise ExerciseFailed(f"after its allocation failed, sequence 2 is still registered (free_sequence(2) "
+                             f"returned {freed!r} instead of raising KeyError): register a sequence only once its "
+                             "blocks are taken")
     _raises_memory_error(lambda: alloc.append_tokens(seq_id=1, num_tokens=40),
                          "appending 40 tokens to 50 (2 more blocks, 1 free)")
     util = alloc.get_utilization()
@@ -197,13 +212,31 @@ def gather_kv_from_blocks(ns):
                              f"got {tuple(got.shape)}")
     if torch.equal(got, _reference_gather(kv_cache, block_table, seq_lengths, 1, 0)):
         raise ExerciseFailed("gathered the keys: kv_idx = 1 asks for the values")
-    valid = torch.arange(29)[None, :] < seq_lengths[:, None]
+    _gathered_the_right_tokens(got, want, kv_cache, block_table, seq_lengths, 1, 1)
+    got = fn(kv_cache, block_table, seq_lengths, 0, 1)  # layer and K/V index unequal: the axes cannot be swapped
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        raise ExerciseFailed(f"layer_idx=0, kv_idx=1 gave {type(got).__name__} {tuple(getattr(got, 'shape', ()))}, "
+                             f"not a tensor of shape {tuple(want.shape)}")
+    if torch.equal(got, _reference_gather(kv_cache, block_table, seq_lengths, 1, 0)):
+        raise ExerciseFailed("layer and K/V axes swapped: layer_idx=0, kv_idx=1 gave layer 1's keys; the cache is "
+                             "[blocks, layers, K/V, block_size, heads, dim], so index the layer first, then K/V")
+    _gathered_the_right_tokens(got, _reference_gather(kv_cache, block_table, seq_lengths, 0, 1), kv_cache,
+                               block_table, seq_lengths, 0, 1)
+    return "each sequence's tokens in order, of the layer and K/V asked for, zero-padded to the longest"
+
+
+def _gathered_the_right_tokens(got, want, kv_cache, block_table, seq_lengths, layer_idx, kv_idx) -> None:
+    valid = torch.arange(want.shape[1])[None, :] < seq_lengths[:, None]
     if not torch.equal(got[valid], want[valid]):
+        for layer in range(kv_cache.shape[1]):
+            other = _reference_gather(kv_cache, block_table, seq_lengths, layer, kv_idx)
+            if layer != layer_idx and torch.equal(got[valid], other[valid]):
+                raise ExerciseFailed(f"asked for layer {layer_idx}, gathered layer {layer}: index the cache's "
+                                     "layer axis (dimension 1) with layer_idx")
         raise ExerciseFailed("tokens come out in the wrong places: token t of a sequence lives in block "
                              "block_table[s, t // block_size] at offset t % block_size")
     if got[~valid].abs().sum() != 0:
         raise ExerciseFailed("positions past a sequence's length must be zero padding, not leftover block contents")
-    return "each sequence's tokens in order, zero-padded to the longest"
 
 
 def _reference_state(query, key_blocks, value_blocks, scale=None, rescale=True, running=True):
