@@ -38,6 +38,21 @@ def temperature_any_greedy(logits, temperatures):
     return (logits / temperatures[:, None]).softmax(-1)
 
 
+def temperature_all_maxima(logits, temperatures):
+    """T = 0 rows one-hot on every token equal to the maximum (a tie sums to 2)."""
+    greedy = (temperatures == 0)[:, None]
+    one_hot = (logits == logits.max(-1, keepdim=True).values).to(logits.dtype)
+    return torch.where(greedy, one_hot, (logits / torch.where(greedy, 1.0, temperatures[:, None])).softmax(-1))
+
+
+def temperature_split_ties(logits, temperatures):
+    """T = 0 rows share the probability evenly between tied maxima."""
+    greedy = (temperatures == 0)[:, None]
+    at_max = (logits == logits.max(-1, keepdim=True).values).to(logits.dtype)
+    probs = (logits / torch.where(greedy, 1.0, temperatures[:, None])).softmax(-1)
+    return torch.where(greedy, at_max / at_max.sum(-1, keepdim=True), probs)
+
+
 def in_place_temperature(logits, temperatures):
     return logits.div_(temperatures[:, None]).softmax(-1)
 
@@ -112,6 +127,27 @@ def sample_inverse_cdf(logits, temperature, generator):
     return min(int(torch.searchsorted(cdf, u)), len(logits) - 1)
 
 
+def sample_gumbel_max(logits, temperature, generator):
+    """The reviewer's Gumbel-max draw: the right distribution, other tokens per seed than torch.multinomial."""
+    if temperature == 0:
+        return int(logits.argmax())
+    u = torch.rand(logits.shape, generator=generator).clamp_min(1e-20)
+    return int((logits / temperature - torch.log(-torch.log(u))).argmax())
+
+
+def sample_tiny_temperature(logits, temperature, generator):
+    t = max(temperature, 1e-5)
+    return int(torch.multinomial((logits / t).softmax(-1), 1, generator=generator))
+
+
+def top_p_exceeds(logits, top_p):
+    """Removes a token only when the mass before it exceeds top_p: one token too many at the exact boundary."""
+    sorted_logits, order = logits.sort(-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    remove = probs.cumsum(-1) - probs > top_p
+    return logits.masked_fill(remove.scatter(-1, order, remove), NEG_INF)
+
+
 def sample_global_rng(logits, temperature, generator):
     if temperature == 0:
         return int(logits.argmax())
@@ -144,7 +180,8 @@ def in_place_sample(logits, temperature, generator):
 
 def penalties_loop(logits, prompt_ids, output_ids, repetition, presence, frequency, *, divide_negative=False,
                    every_occurrence=False, output_only=False, prompt_counts=False, presence_once=False,
-                   add_presence=False, first_row=False, subtract_first=False):
+                   add_presence=False, first_row=False, subtract_first=False, presence_per_occurrence=False,
+                   whole_row=False):
     """Row by row, token by token; the switches make typical mistakes."""
     out = logits.clone()
     for b, (prompt, output) in enumerate(zip(prompt_ids, output_ids, strict=True)):
@@ -153,6 +190,8 @@ def penalties_loop(logits, prompt_ids, output_ids, repetition, presence, frequen
         counted = prompt + output if prompt_counts else output
         if subtract_first:
             _subtract(out[b], counted, frequency[r], presence[r], presence_once, add_presence)
+        if whole_row:
+            seen = range(out.shape[1])
         for token in (seen if every_occurrence else set(seen)):
             if out[b, token] > 0 or divide_negative:
                 out[b, token] /= repetition[r]
@@ -160,6 +199,9 @@ def penalties_loop(logits, prompt_ids, output_ids, repetition, presence, frequen
                 out[b, token] *= repetition[r]
         if not subtract_first:
             _subtract(out[b], counted, frequency[r], presence[r], presence_once, add_presence)
+        if presence_per_occurrence:  # the presence penalty once more for every repeat
+            for token in set(counted):
+                out[b, token] -= presence[r] * (counted.count(token) - 1)
     return out
 
 
@@ -196,10 +238,26 @@ RIGHT = [
     Right("top_p_filter", "sorted cumulative sum scattered back", top_p_scatter),
     Right("top_p_filter", "python loop per row", top_p_rows),
     Right("sample_next", "torch.multinomial with the generator", sample_multinomial),
-    Right("sample_next", "inverse CDF with torch.rand(generator=)", sample_inverse_cdf),
 ]
 
 WRONG = [
+    Wrong("temperature_probs", "T = 0: one-hot on every tied maximum", temperature_all_maxima,
+          "put probability 1 on every tied token"),
+    Wrong("temperature_probs", "T = 0: tied maxima share the probability", temperature_split_ties,
+          "the first of them"),
+    Wrong("temperature_probs", "T clamped to 1e-3", lambda x, t: (x / t.clamp_min(1e-3)[:, None]).softmax(-1),
+          "a tiny temperature (a clamp)"),
+    Wrong("temperature_probs", "T clamped to 1e-6", lambda x, t: (x / t.clamp_min(1e-6)[:, None]).softmax(-1),
+          "the first of them"),
+    Wrong("top_p_filter", "removes only when the mass before exceeds top_p", top_p_exceeds, "reaches it, not only"),
+    Wrong("sample_next", "a Gumbel-max draw", sample_gumbel_max, "other tokens than torch.multinomial"),
+    Wrong("sample_next", "an inverse-CDF draw of its own", sample_inverse_cdf, "other tokens than torch.multinomial"),
+    Wrong("sample_next", "T = 0 as a tiny temperature", sample_tiny_temperature, "not a draw at a tiny temperature"),
+    Wrong("apply_penalties", "presence once per occurrence",
+          lambda *a: penalties_loop(*a, presence_per_occurrence=True),
+          "presence_penalty was subtracted once per occurrence"),
+    Wrong("apply_penalties", "repetition over the whole row", lambda *a: penalties_loop(*a, whole_row=True),
+          "applied to the whole row"),
     Wrong("temperature_probs", "divides the columns (temperatures[None, :])",
           lambda x, t: (x / t[None, :]).softmax(-1), "divided the columns"),
     Wrong("temperature_probs", "the first row's temperature for all",

@@ -68,6 +68,8 @@ def temperature_probs(ns):
         (wide, torch.tensor([0.7, 0.0, 1.3, 0.0])),
         (wide, torch.tensor([0.0, 0.0, 0.0, 0.0])),
     ]
+    tied = torch.tensor([[1.0, 1.0, 0.0], [3.0, 2.999, 0.0], [0.0, 2.0, 2.0]])
+    cases.append((tied, torch.tensor([0.0, 0.0, 0.0])))  # greedy with a tie and a near tie at the maximum
     for logits, temperatures in cases:
         greedy_rows = temperatures == 0
         try:
@@ -103,6 +105,8 @@ def temperature_probs(ns):
         if torch.isnan(got).any():
             raise ExerciseFailed("a temperature-0 row gives NaN (0/0 after dividing by 0): treat it as greedy, "
                                  "all the probability on the argmax")
+        if logits is tied:
+            raise ExerciseFailed(_tie_mistake(got, logits))
         if sampled.any() and torch.allclose(got[sampled], expected[sampled], atol=1e-6):
             raise ExerciseFailed("the rows with T > 0 are right, the T = 0 rows are not: put probability 1 on each "
                                  "such row's argmax and 0 elsewhere")
@@ -111,6 +115,19 @@ def temperature_probs(ns):
         raise ExerciseFailed(f"with temperatures {temperatures.tolist()} the rows differ from softmax(logits / T) "
                              "(one-hot argmax where T = 0)")
     return "each row's own softmax(logits / T), and T = 0 rows are greedy"
+
+
+def _tie_mistake(got: torch.Tensor, logits: torch.Tensor) -> str:
+    """Name what a temperature-0 row did with [1, 1, 0] (a tie), [3, 2.999, 0] (a near tie) and [0, 2, 2]."""
+    rows = [[round(float(x), 2) for x in row] for row in got]
+    if not torch.allclose(got.sum(-1), torch.ones(len(got)), atol=1e-5):
+        return (f"at T = 0, logits {logits.tolist()} gave {rows}: a row whose maximum is tied put probability 1 on "
+                "every tied token, so it no longer sums to 1; greedy is one token, the first maximum (torch.argmax)")
+    if float(got[1, 0]) < 0.99:
+        return (f"at T = 0, logits [3, 2.999, 0] gave {rows[1]}, not [1, 0, 0]: a tiny temperature (a clamp) in "
+                "place of 0 still leaves the runner-up its share; a T = 0 row is exactly one-hot on the argmax")
+    return (f"at T = 0, logits [1, 1, 0] and [0, 2, 2] gave {rows[0]} and {rows[2]}: with a tie at the maximum, "
+            "greedy still picks one token, the first of them (what torch.argmax returns), with probability 1")
 
 
 @exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k"))
@@ -179,6 +196,12 @@ def top_p_filter(ns):
                 raise ExerciseFailed(f"top_p={top_p}: keep the smallest set of most likely tokens whose "
                                      "probability reaches top_p (sort descending, cumulative sum)")
             raise ExerciseFailed("the kept logits must be returned unchanged (and the removed ones set to -inf)")
+    boundary = torch.tensor([0.125, 0.5, 0.125, 0.25]).log()  # float32-exact: 0.5 + 0.25 is exactly 0.75
+    kept = _kept(_filter(fn, boundary, 0.75)).nonzero().flatten().tolist()
+    if kept != [1, 3]:
+        raise ExerciseFailed(f"top_p=0.75 on probabilities 0.125, 0.5, 0.125, 0.25 kept tokens {kept}, not [1, 3]: "
+                             "0.5 + 0.25 already reaches 0.75, so the smallest set is those two; remove a token "
+                             "when the mass before it is >= top_p (reaches it, not only exceeds it)")
     return "keeps the smallest most-likely set reaching top_p, in vocabulary order, on [vocab] and [batch, vocab]"
 
 
@@ -200,6 +223,12 @@ def sample_next(ns):
                              "return the argmax without sampling") from None
     if greedy != {int(logits.argmax())}:
         raise ExerciseFailed(f"temperature 0 must always return the argmax ({int(logits.argmax())}), got {greedy}")
+    tied = torch.tensor([0.3, 1.5, 1.5, -0.5, 0.8])
+    greedy = {fn(tied.clone(), 0.0, torch.Generator().manual_seed(seed)) for seed in range(20)}
+    if greedy != {1}:
+        raise ExerciseFailed(f"temperature 0 on logits {tied.tolist()} gave tokens {sorted(greedy)}, not always 1: "
+                             "temperature 0 is the argmax (torch.argmax, the first maximum), not a draw at a tiny "
+                             "temperature")
     draws = [fn(logits.clone(), 1.0, torch.Generator().manual_seed(seed)) for seed in range(3000)]
     if len(set(draws)) == 1:
         raise ExerciseFailed("at temperature 1 every draw is the same token: sample (torch.multinomial) "
@@ -218,7 +247,16 @@ def sample_next(ns):
     if abs(cold.count(0) / 300 - float((logits / 0.3).softmax(-1)[0])) > 0.1:
         raise ExerciseFailed("at temperature 0.3 the draws should concentrate on the argmax: divide the "
                              "logits by the temperature before the softmax")
-    return "greedy at temperature 0, seeded draws that follow softmax(logits / T)"
+    for temperature in (1.0, 0.7):
+        seeded = [fn(logits.clone(), temperature, torch.Generator().manual_seed(seed)) for seed in range(200)]
+        want = [int(torch.multinomial((logits / temperature).softmax(-1), 1,
+                                      generator=torch.Generator().manual_seed(seed))) for seed in range(200)]
+        if sum(a != b for a, b in zip(seeded, want, strict=True)) > 2:  # a rounding difference may flip a rare draw
+            raise ExerciseFailed(f"at temperature {temperature}, seeds 0..199 gave other tokens than "
+                                 "torch.multinomial(softmax(logits / T), 1, generator=generator): the exercise asks "
+                                 "for that draw (a Gumbel-max or an inverse-CDF draw of your own follows the same "
+                                 "distribution with other tokens per seed, so a seeded request would not reproduce)")
+    return "greedy (the first argmax) at temperature 0, torch.multinomial's seeded draws from softmax(logits / T)"
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -228,7 +266,7 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, *, negative="multiply",
                per_occurrence=False, repetition_from="both", counted_from="output", frequency_counts=True,
-               rows="own", presence_sign=-1, subtract_first=False):
+               rows="own", presence_sign=-1, subtract_first=False, presence_counts=False, whole_row=False):
     """Each row's penalties applied with loops, the readable way; the switches make typical mistakes."""
     out = logits.clone()
     for b, row in enumerate(out):
@@ -236,10 +274,11 @@ def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, 
         history = {"both": prompt_ids[b] + output_ids[b], "output": output_ids[b]}[repetition_from]
         generated = {"output": output_ids[b], "both": prompt_ids[b] + output_ids[b]}[counted_from]
         subtracted = {token: frequency[r] * (generated.count(token) if frequency_counts else 1)
-                      - presence_sign * presence[r] for token in set(generated)}
+                      - presence_sign * presence[r] * (generated.count(token) if presence_counts else 1)
+                      for token in set(generated)}
         if subtract_first:
             row[list(subtracted)] -= torch.tensor(list(subtracted.values()), dtype=row.dtype)
-        for token in set(history):
+        for token in range(len(row)) if whole_row else set(history):
             for _ in range(history.count(token) if per_occurrence else 1):
                 row[token] = row[token] / repetition[r] if row[token] > 0 or negative == "divide" \
                     else row[token] * repetition[r]
@@ -261,6 +300,11 @@ _PENALTY_MISTAKES = (
                                    "occurrence (times the count)"),
     (dict(presence_sign=1), "presence_penalty was added: subtract it, so that a positive penalty discourages"),
     (dict(rows="first"), "every row used the first row's penalties: each request brings its own"),
+    (dict(presence_counts=True), "presence_penalty was subtracted once per occurrence: it is subtracted once from "
+                                 "each generated token, however often it was generated (the count is "
+                                 "frequency_penalty's)"),
+    (dict(whole_row=True), "repetition_penalty was applied to the whole row: it applies only to the tokens seen "
+                           "so far (prompt and output)"),
     (dict(subtract_first=True), "the penalties were applied in the wrong order: repetition_penalty first, on "
                                    "the raw logits (its sign test reads them), then subtract frequency and presence"),
 )
