@@ -417,6 +417,8 @@ def _wide_heads(fn):
     why = (f"with hidden {hidden}, {cfg['num_heads']} heads of head_dim {cfg['head_dim']} (not {hidden} / "
            f"{cfg['num_heads']} = {hidden // cfg['num_heads']}: Qwen3-0.6B has 16 heads of 128 on a 1024-wide "
            "stream)")
+    groups = (f" (and this layer's GQA groups are {cfg['num_heads'] // cfg['num_kv_heads']} query heads per KV head, "
+              "not SmolLM2's 3)")
     try:
         got, expected = _run_layer(fn, layer, w, cfg, x)
     except ExerciseFailed:
@@ -424,10 +426,10 @@ def _wide_heads(fn):
     except Exception as error:
         raise ExerciseFailed(f"your layer raised {raised_type(error)} {why}: take head_dim from config, never "
                              "hidden / num_heads; the heads' output is num_heads * head_dim wide, and o maps it back "
-                             "to hidden") from None
+                             f"to hidden{groups}") from None
     if not tensors_close(got, expected, atol=1e-4):
         raise ExerciseFailed(f"right when hidden = num_heads * head_dim, wrong {why}: take head_dim from config, "
-                             "never hidden / num_heads (and the GQA group from the head counts: here 2, not 3)")
+                             f"never hidden / num_heads{groups}")
 
 
 @exercise("05", "knowledge_check")
