@@ -126,9 +126,10 @@ def store_variant(mask="where", store_v=True, swap=False, stride_pad=False):
 def _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, last, scale, max_blocks,
             NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
             RESCALE: tl.constexpr, FIXED_BLOCK: tl.constexpr, WHOLE_BLOCKS: tl.constexpr, F32: tl.constexpr,
-            EXP2: tl.constexpr):
+            EXP2: tl.constexpr, ONE_MORE: tl.constexpr, HEAD_ELEMENTS: tl.constexpr):
     """One query row against keys first..last of a sequence's blocks, online softmax. The switches make
-    typical mistakes; FIXED_BLOCK > 0 assumes blocks of that many tokens whatever BLOCK_SIZE says."""
+    typical mistakes; FIXED_BLOCK > 0 assumes blocks of that many tokens whatever BLOCK_SIZE says, ONE_MORE
+    lets key last + 1 in (pos <= context_len), HEAD_ELEMENTS offsets KV head kv by kv elements, not kv rows."""
     B: tl.constexpr = FIXED_BLOCK if FIXED_BLOCK > 0 else BLOCK_SIZE
     d = tl.arange(0, HEAD_DIM)
     j = tl.arange(0, B)
@@ -141,8 +142,11 @@ def _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, 
     for b in range(first // B, n_blocks):
         block = tl.load(block_tables_ptr + seq * max_blocks + b).to(tl.int64)
         pos = b * B + j
-        valid = ((pos <= last) & (pos >= first)) | (not MASK)
-        rows = ((block * B + j) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+        valid = ((pos <= last + ONE_MORE) & (pos >= first)) | (not MASK)
+        if HEAD_ELEMENTS:
+            rows = (block * B + j) * NUM_KV_HEADS * HEAD_DIM + kv_head
+        else:
+            rows = ((block * B + j) * NUM_KV_HEADS + kv_head) * HEAD_DIM
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :])
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
         if F32:
@@ -178,26 +182,28 @@ def _kv_head(head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GQA: tl.
 def _decode(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, scale, max_blocks,
             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
             MASK: tl.constexpr, GQA: tl.constexpr, RESCALE: tl.constexpr, FIXED_BLOCK: tl.constexpr,
-            WHOLE_BLOCKS: tl.constexpr, F32: tl.constexpr, EXP2: tl.constexpr, SCALED: tl.constexpr):
+            WHOLE_BLOCKS: tl.constexpr, F32: tl.constexpr, EXP2: tl.constexpr, SCALED: tl.constexpr,
+            ONE_MORE: tl.constexpr, HEAD_ELEMENTS: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
     row = (seq * NUM_HEADS + head) * HEAD_DIM + tl.arange(0, HEAD_DIM)
     out = _attend(tl.load(q_ptr + row), k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
                   _kv_head(head, NUM_HEADS, NUM_KV_HEADS, GQA), 0, tl.load(context_lens_ptr + seq) - 1,
                   scale if SCALED else 1.0, max_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, MASK, RESCALE,
-                  FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2)
+                  FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, ONE_MORE, HEAD_ELEMENTS)
     tl.store(out_ptr + row, out)
 
 
 def decode_variant(mask=True, gqa="div", rescale=True, fixed_block=0, whole_blocks=False, f32=True, exp2=False,
-                   scaled=True):
+                   scaled=True, one_more=0, head_elements=False):
     return factory(_decode, MASK=mask, GQA=gqa, RESCALE=rescale, FIXED_BLOCK=fixed_block, WHOLE_BLOCKS=whole_blocks,
-                   F32=f32, EXP2=exp2, SCALED=scaled)
+                   F32=f32, EXP2=exp2, SCALED=scaled, ONE_MORE=one_more, HEAD_ELEMENTS=head_elements)
 
 
 @triton.jit
 def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr, scale, max_blocks,
              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-             VISIBLE: tl.constexpr, GQA: tl.constexpr, F32: tl.constexpr, EXP2: tl.constexpr, SCALED: tl.constexpr):
+             VISIBLE: tl.constexpr, GQA: tl.constexpr, F32: tl.constexpr, EXP2: tl.constexpr, SCALED: tl.constexpr,
+             HEAD_ELEMENTS: tl.constexpr):
     """VISIBLE: "causal" (the lab's), "top_left" (key <= i), "all" (no causal mask), "new_only" (prefix skipped)."""
     seq, head, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
@@ -214,12 +220,13 @@ def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_pt
         row = ((q_start + i) * NUM_HEADS + head) * HEAD_DIM + tl.arange(0, HEAD_DIM)
         out = _attend(tl.load(q_ptr + row), k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
                       _kv_head(head, NUM_HEADS, NUM_KV_HEADS, GQA), first, last, scale if SCALED else 1.0,
-                      max_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, True, True, 0, False, F32, EXP2)
+                      max_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, True, True, 0, False, F32, EXP2, 0,
+                      HEAD_ELEMENTS)
         tl.store(out_ptr + row, out)
 
 
-def prefill_variant(visible="causal", gqa="div", f32=True, exp2=False, scaled=True):
-    return factory(_prefill, VISIBLE=visible, GQA=gqa, F32=f32, EXP2=exp2, SCALED=scaled)
+def prefill_variant(visible="causal", gqa="div", f32=True, exp2=False, scaled=True, head_elements=False):
+    return factory(_prefill, VISIBLE=visible, GQA=gqa, F32=f32, EXP2=exp2, SCALED=scaled, HEAD_ELEMENTS=head_elements)
 
 
 def torch_attention(*args):
@@ -273,6 +280,12 @@ WRONG = [
     Wrong("paged_decode_kernel", "partial last block dropped", decode_variant(whole_blocks=True),
           "wrong when it ends inside one"),
     Wrong("paged_decode_kernel", "computes in the caches' dtype", decode_variant(f32=False), "wrong in bf16"),
+    Wrong("paged_decode_kernel", "one key too many (pos <= context_len)", decode_variant(one_more=1),
+          "one key past the context"),
+    Wrong("paged_decode_kernel", "KV-head offset not multiplied by HEAD_DIM", decode_variant(head_elements=True),
+          "not kv * HEAD_DIM"),
+    Wrong("paged_prefill_kernel", "KV-head offset not multiplied by HEAD_DIM", prefill_variant(head_elements=True),
+          "not kv * HEAD_DIM"),
     Wrong("paged_decode_kernel", "forgot the scale", decode_variant(scaled=False), "not scaled"),
     Wrong("paged_decode_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
     Wrong("paged_decode_kernel", "returns labkit's kernel", labkit_kernel(1), "`_kernels`",

@@ -241,7 +241,7 @@ PREFILL = [([5, 4, 1], [5, 19, 13], 4, 2, 16, 8, torch.float32, 82),  # a prompt
 
 
 def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causal", gqa="div", scale=None,
-                in_order=False):
+                in_order=False, head_offset="rows"):
     """Per sequence: gather its keys through the block table, then torch's scaled_dot_product_attention with
     an explicit mask, in fp32. The keywords other than their defaults reproduce typical mistakes."""
     q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
@@ -252,13 +252,19 @@ def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causa
         return torch.full_like(q, float("nan"))
     for s in range(len(cu_q) - 1):
         q0, q1, n_k = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s + 1] - cu_k[s])
-        n_seen = -(-n_k // block_size) * block_size if visible == "padded" else n_k
+        n_seen = {"padded": -(-n_k // block_size) * block_size,
+                  "one_more": min(n_k + 1, -(-n_k // block_size) * block_size)}.get(visible, n_k)
         blocks = tables[s, : -(-n_k // block_size)].long()
         keys, values = (c[blocks].flatten(0, 1)[:n_seen] for c in (k_cache, v_cache))
+        if head_offset == "elements":  # KV head j read from element j of a token's row, not j * head_dim
+            d = keys.shape[-1]
+            keys, values = (torch.stack([x.flatten(1)[:, j:j + d] for j in range(x.shape[1])], 1)
+                            for x in (keys, values))
         expand = (lambda x: x.repeat_interleave(group, 1)) if gqa == "div" else (lambda x: x.repeat(1, group, 1))
         rows, cols = torch.arange(q1 - q0, device=q.device)[:, None], torch.arange(n_seen, device=q.device)[None]
         last = n_k - (q1 - q0) + rows  # the last key row i may see: the new tokens end the context
         mask = {"causal": cols <= last, "top_left": cols <= rows, "all": cols >= 0, "padded": cols >= 0,
+                "one_more": cols >= 0,
                 "new_only": (cols <= last) & (cols > n_k - (q1 - q0) - 1)}[visible]
         out[q0:q1] = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), expand(keys).transpose(0, 1),
                                                     expand(values).transpose(0, 1), attn_mask=mask,
@@ -330,6 +336,9 @@ def _paged_mistake(results, per_seq, desc, out, want) -> str:
 
 
 GQA_MOD = ("query head h read KV head h % NUM_KV_HEADS: with GQA it is h // (NUM_HEADS // NUM_KV_HEADS)")
+HEAD_OFFSET = ("KV head kv was read from element kv of a token's row, not kv * HEAD_DIM (right only where there is "
+               "one KV head): a row holds NUM_KV_HEADS heads of HEAD_DIM values, so the K row of slot "
+               "block * BLOCK_SIZE + i for head kv starts at ((block * BLOCK_SIZE + i) * NUM_KV_HEADS + kv) * HEAD_DIM")
 UNSCALED = "scores were not scaled: multiply q . k by scale (1/sqrt(head_dim), the kernel's `scale` argument)"
 
 
@@ -337,6 +346,9 @@ UNSCALED = "scores were not scaled: multiply q . k by scale (1/sqrt(head_dim), t
 def paged_decode_kernel(ns):
     _grade_paged(ns, "paged_decode_kernel", DECODE, decode=True, mistakes=[
         (dict(visible="padded"), "keys past the context length were attended to: mask positions >= context_len"),
+        (dict(visible="one_more"), "one key past the context was attended to (pos <= context_len): the context "
+                                   "holds positions 0 .. context_len - 1, so keep pos < context_len"),
+        (dict(head_offset="elements"), HEAD_OFFSET),
         (dict(gqa="mod"), GQA_MOD),
         (dict(scale=1.0), UNSCALED),
         (dict(in_order=True), "the block table was ignored (blocks assumed to be 0, 1, 2, ...): load block b "
@@ -354,6 +366,7 @@ def paged_prefill_kernel(ns):
         (dict(visible="new_only"), "the cached prefix was ignored: row i also sees the k_len - q_len keys "
                                    "already in the cache"),
         (dict(gqa="mod"), GQA_MOD),
+        (dict(head_offset="elements"), HEAD_OFFSET),
         (dict(scale=1.0), UNSCALED),
     ])
     return ("matches torch's scaled_dot_product_attention: whole prompts, cached prefixes and decodes in one launch, "
