@@ -15,8 +15,9 @@ def can_append_by_blocks(num_tokens, num_blocks_held, block_size, num_free_block
 
 
 def can_append_by_remainder(num_tokens, num_blocks_held, block_size, num_free_blocks):
-    """Seed 001's rule: a block is needed exactly when the newest token is the first of a block."""
-    return num_free_blocks >= (num_tokens % block_size == 1)
+    """Seed 001's rule, written for every block size: a block is needed exactly when the newest token is the
+    first of a block."""
+    return num_free_blocks >= ((num_tokens - 1) % block_size == 0)
 
 
 def can_append_math_ceil(num_tokens, num_blocks_held, block_size, num_free_blocks):
@@ -32,13 +33,13 @@ def labkit_can_append(num_tokens, num_blocks_held, block_size, num_free_blocks):
 
 
 def schedule(running, waiting, budget, max_seqs, free, order=None, skip=False, chunk=True, decode_first=True,
-             subtract=True, seats=True):
+             subtract=True, seats=True, exact_fit=True):
     plan = [(r, 1) for r in running] if decode_first else []
     left = budget - len(plan)
     for req in sorted(waiting, key=order or (lambda r: (-r.priority, r.arrival))):
         if left == 0 or (seats and len(plan) + (0 if decode_first else len(running)) >= max_seqs):
             break
-        if req.blocks > free or (not chunk and req.prompt_len > left):
+        if (req.blocks > free if exact_fit else req.blocks >= free) or (not chunk and req.prompt_len > left):
             if skip:
                 continue
             break
@@ -150,7 +151,7 @@ def labkit_plan(running, token_budget, threshold):
 
 RIGHT = [
     Right("can_append", "blocks needed for all tokens vs held + free", can_append_by_blocks),
-    Right("can_append", "seed 001's remainder rule", can_append_by_remainder),
+    Right("can_append", "seed 001's remainder rule, (num_tokens - 1) % block_size == 0", can_append_by_remainder),
     Right("can_append", "math.ceil over held plus free", can_append_math_ceil),
     Right("schedule_step", "sorted loop with a break", schedule),
     Right("schedule_step", "two stable sorts and a deque", schedule_queue),
@@ -162,12 +163,19 @@ RIGHT = [
 
 WRONG = [
     Wrong("can_append", "a new block at num_tokens % block_size == 0", lambda n, h, bs, f: f >= (n % bs == 0),
-          "not == 0"),
+          "not at num_tokens % block_size == 0"),
     Wrong("can_append", "always True", lambda n, h, bs, f: True, "no block is free"),
-    Wrong("can_append", "floor division of the token count", lambda n, h, bs, f: n // bs - h <= f, "no block is free"),
+    Wrong("can_append", "floor division of the token count", lambda n, h, bs, f: n // bs - h <= f, "floor"),
     Wrong("can_append", "always wants a free block", lambda n, h, bs, f: f > 0, "a free block is needed only when"),
-    Wrong("can_append", "ignores the free blocks", lambda n, h, bs, f: n % bs != 1, "compare with num_free_blocks"),
-    Wrong("can_append", "counts one token too many", lambda n, h, bs, f: -(-(n + 1) // bs) - h <= f, "expected"),
+    Wrong("can_append", "ignores the free blocks", lambda n, h, bs, f: (n - 1) % bs != 0,
+          "compare with num_free_blocks"),
+    Wrong("can_append", "seed 001's num_tokens % block_size == 1 (never true for blocks of 1)",
+          lambda n, h, bs, f: f >= (n % bs == 1), "wrong for blocks of 1"),
+    Wrong("can_append", "blocks needed as num_tokens // block_size + 1", lambda n, h, bs, f: n // bs + 1 - h <= f,
+          "counts one too many"),
+    Wrong("can_append", "needed < free instead of <=", lambda n, h, bs, f: -(-n // bs) - h < f, "compared with <"),
+    Wrong("can_append", "counts one token too many", lambda n, h, bs, f: -(-(n + 1) // bs) - h <= f,
+          "counts one too many"),
     Wrong("can_append", "returns an int", lambda n, h, bs, f: int(n // bs - h <= f), "must return True or False"),
     Wrong("can_append", "calls BlockManager.can_append", labkit_can_append,
           "`can_append`",
@@ -185,12 +193,20 @@ WRONG = [
     Wrong("schedule_step", "ignores the token budget", no_budget, "more than the budget"),
     Wrong("schedule_step", "forgets to subtract the blocks it gave", lambda *a: schedule(*a, subtract=False),
           "subtract them before the next request"),
+    Wrong("schedule_step", "latest arrival first among equal priorities",
+          lambda *a: schedule(*a, order=lambda r: (-r.priority, -r.arrival)), "the earliest arrival goes first"),
+    Wrong("schedule_step", "refuses a request needing exactly the free blocks (>=)",
+          lambda *a: schedule(*a, exact_fit=False), "needing exactly the free blocks"),
     Wrong("schedule_step", "ignores max_num_seqs", lambda *a: schedule(*a, seats=False), "more than max_num_seqs"),
     Wrong("schedule_step", "imports the grader's reference", lambda *a: reference_schedule_step(*a),
           "`reference_schedule_step`",
           calls="labkit.grading.labs.lab10.reference_schedule_step"),
     Wrong("choose_victim", "nano-vLLM's latest arrival, whatever its priority", lambda *a: victim(
         *a, order=lambda r: r.arrival), "ignored priorities"),
+    Wrong("choose_victim", "nano-vLLM's most recently added (the end of running)", lambda *a: victim(
+        *a, order=lambda r: 0), "most recently added"),
+    Wrong("choose_victim", "ranks by ascending priority", lambda *a: victim(
+        *a, order=lambda r: (r.priority, r.arrival)), "ascending priority"),
     Wrong("choose_victim", "takes the victim from the top", lambda *a: victim(*a, from_top=True), "from the top"),
     Wrong("choose_victim", "earliest arrival among equals", lambda *a: victim(
         *a, order=lambda r: (-r.priority, -r.arrival)), "not the earliest"),

@@ -16,7 +16,8 @@ from labkit.grading.records import Active, Request, Running
 def can_append(ns):
     fn = require(ns, "can_append")
     rng = random.Random(10)
-    cases = [(17, 2, 8, 0), (16, 2, 8, 0), (9, 1, 8, 1), (9, 1, 8, 0), (8, 1, 8, 0), (33, 4, 8, 1), (2, 1, 8, 0)]
+    cases = [(17, 2, 8, 0), (16, 2, 8, 0), (9, 1, 8, 1), (9, 1, 8, 0), (8, 1, 8, 0), (33, 4, 8, 1), (2, 1, 8, 0),
+             (5, 4, 1, 0), (5, 4, 1, 2), (2, 1, 1, 1)]  # blocks of 1 token: every token starts a block
     cases += [(n, -(-(n - 1) // bs), bs, rng.randint(0, 2))
               for bs in (8, 16, 32) for n in (rng.randint(2, 200) for _ in range(20))]
     answers = []
@@ -37,15 +38,29 @@ def can_append(ns):
 
 
 _CAN_APPEND_MISTAKES = (
+    (lambda n, held, bs, free: free >= (n % bs == 1),
+     "right for blocks of 2 or more tokens, wrong for blocks of 1: num_tokens % 1 is always 0, never 1, yet with "
+     "block_size 1 every token starts a new block; test (num_tokens - 1) % block_size == 0, or count the blocks "
+     "needed, ceil(num_tokens / block_size) - num_blocks_held"),
     (lambda n, held, bs, free: free >= (n % bs == 0),
-     "a new block is needed when the new token starts one, at num_tokens % block_size == 1, not == 0 (at 0 "
-     "it is the last slot of a block already held)"),
-    (lambda n, held, bs, free: True, "when the new token starts a new block (num_tokens % block_size == 1) and "
-                                     "no block is free, it cannot append"),
+     "a new block is needed when the new token starts one, at (num_tokens - 1) % block_size == 0, not at "
+     "num_tokens % block_size == 0 (then it takes the last slot of a block already held)"),
+    (lambda n, held, bs, free: free >= n // bs + 1 - held,
+     "blocks needed = num_tokens // block_size + 1 counts one too many when num_tokens is a multiple of "
+     "block_size (the new token fills the last slot of a block held): use ceil(num_tokens / block_size)"),
+    (lambda n, held, bs, free: n // bs - held <= free,
+     "counted blocks with floor division: num_tokens // block_size misses the partly filled last block; the "
+     "blocks needed are ceil(num_tokens / block_size)"),
+    (lambda n, held, bs, free: free > -(-n // bs) - held,
+     "compared with <: when the free blocks are exactly as many as the blocks needed (0 needed, 0 free "
+     "included), it can append; use needed <= num_free_blocks"),
+    (lambda n, held, bs, free: True, "when the new token starts a new block ((num_tokens - 1) % block_size == 0) "
+                                     "and no block is free, it cannot append"),
     (lambda n, held, bs, free: free > 0, "a free block is needed only when the new token starts a new block "
-                                         "(num_tokens % block_size == 1); otherwise it fits in the last block held"),
-    (lambda n, held, bs, free: n % bs != 1, "when the new token starts a new block and a free block is there to "
-                                            "take, it can append: compare with num_free_blocks"),
+                                         "((num_tokens - 1) % block_size == 0); otherwise it fits in the last "
+                                         "block held"),
+    (lambda n, held, bs, free: (n - 1) % bs != 0, "when the new token starts a new block and a free block is "
+                                                  "there to take, it can append: compare with num_free_blocks"),
 )
 
 
@@ -61,7 +76,7 @@ def reference_can_append(num_tokens: int, num_blocks_held: int, block_size: int,
 
 
 def reference_schedule_step(running, waiting, token_budget, max_num_seqs, free_blocks, *, order=None,
-                            skip_misfits=False, chunked=True, subtract=True):
+                            skip_misfits=False, chunked=True, subtract=True, exact_fit=True):
     """The policy of labkit's Scheduler, on plain records. The keyword arguments re-create typical
     mistakes, so a wrong plan can be named."""
     plan = [(rid, 1) for rid in running[:token_budget]]
@@ -69,7 +84,7 @@ def reference_schedule_step(running, waiting, token_budget, max_num_seqs, free_b
     for req in sorted(waiting, key=order or (lambda r: (-r.priority, r.arrival))):
         if budget == 0 or len(plan) >= max_num_seqs:
             break
-        if req.blocks > free_blocks or (not chunked and req.prompt_len > budget):
+        if req.blocks > free_blocks - (not exact_fit) or (not chunked and req.prompt_len > budget):
             if skip_misfits:
                 continue
             break
@@ -86,6 +101,10 @@ MISTAKES = [
                                                       "starves long prompts: highest priority first, then arrival"),
     (dict(order=lambda r: r.arrival), "ignored priorities: highest priority first, then earliest arrival"),
     (dict(order=lambda r: (r.priority, r.arrival)), "lowest priority first: higher priority values run first"),
+    (dict(order=lambda r: (-r.priority, -r.arrival)), "among equal priorities the latest arrival went first: the "
+                                                       "earliest arrival goes first (first come, first served)"),
+    (dict(exact_fit=False), "a request needing exactly the free blocks was refused (>= on blocks): it fits; "
+                            "stop only at one that needs more blocks than are free"),
     (dict(chunked=False), "a prompt longer than the budget left must be cut to it (chunked prefill), not held back"),
     (dict(subtract=False), "the blocks given to an admitted request are no longer free: subtract them before the "
                            "next request is checked"),
@@ -184,6 +203,12 @@ VICTIM_MISTAKES = [
                           "latest arrival first"),
     (dict(order=lambda r: (-r.priority, -r.arrival)), "among equal priorities the victim is the latest arrival, "
                                                        "not the earliest"),
+    (dict(order=lambda r: 0), "took the most recently added sequence (the end of `running`, nano-vLLM's rule): "
+                              "`running`'s order is not the ranking; the victim is the lowest priority, among "
+                              "equals the latest arrival"),
+    (dict(order=lambda r: (r.priority, r.arrival)), "ranked by ascending priority, so a high priority became the "
+                                                    "victim: the victim is the LOWEST priority value (higher "
+                                                    "values run first)"),
     (dict(only_below=False), "preempted a sequence that ranks above the grower: only sequences ranking below it "
                              "may be preempted for it (else it preempts itself)"),
     (dict(must_help=False), "the victim frees no block (all its blocks are shared, ref_count > 1): skip it for "
