@@ -6,7 +6,7 @@ from labkit.cache.sequence_blocks import BlockSequence
 from labkit.grading.labs.lab09 import _reference_chain
 
 
-def chain(tokens, bs, chained=True, partial=False, start=None, whole_prefix=False):
+def chain(tokens, bs, chained=True, partial=False, start=None, whole_prefix=False, to_first=False):
     out, prev = [], start
     n = -(-len(tokens) // bs) if partial else len(tokens) // bs
     for i in range(n):
@@ -15,7 +15,7 @@ def chain(tokens, bs, chained=True, partial=False, start=None, whole_prefix=Fals
         else:
             h = hash_block(prev if chained else start, tokens[i * bs:(i + 1) * bs])
         out.append(h)
-        prev = h
+        prev = out[0] if to_first else h
     return out
 
 
@@ -100,10 +100,11 @@ def labkit_prefix_hits(token_ids, block_size, hash_to_block, blocks):
 
 
 def allocate(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached, revive_first=True,
-             unlink=True, share=True, cost="fresh+revived", check_early=True, answer="tokens", floor_plus_one=False):
+             unlink=True, share=True, cost="fresh+revived", check_early=True, answer="tokens", floor_plus_one=False,
+             count_uncached_only=False):
     hits = lookup(token_ids, block_size, hash_to_block, blocks)
     needed = len(token_ids) // block_size + 1 if floor_plus_one else -(-len(token_ids) // block_size)
-    free = len(free_uncached) + len(free_cached)
+    free = len(free_uncached) + (0 if count_uncached_only else len(free_cached))
     consumed = {"fresh+revived": needed - sum(blocks[b].ref_count > 0 for b in hits),
                 "all": needed, "fresh": needed - len(hits)}[cost]
     if check_early and consumed > free:
@@ -262,6 +263,8 @@ WRONG = [
           "each block is hashed on its own"),
     Wrong("chain_hashes", "hashes the partial last block", lambda t, bs: chain(t, bs, partial=True),
           "partial last block got a hash"),
+    Wrong("chain_hashes", "every block chained to the first block's hash (prev = out[0])",
+          lambda t, bs: chain(t, bs, to_first=True), "prev = out[0]"),
     Wrong("chain_hashes", "chain starts from 0", lambda t, bs: chain(t, bs, start=0), "pass None"),
     Wrong("chain_hashes", "hashes the whole prefix's tokens", lambda t, bs: chain(t, bs, whole_prefix=True),
           "whole prefix's tokens"),
@@ -319,6 +322,8 @@ WRONG = [
           "the pool changed before KVCacheExhausted"),
     Wrong("allocate_blocks", "counts cached blocks, not tokens", lambda *a: allocate(*a, answer="blocks"),
           "counts tokens, not blocks"),
+    Wrong("allocate_blocks", "capacity counts only free_uncached", lambda *a: allocate(*a, count_uncached_only=True),
+          "counted only free_uncached"),
     Wrong("allocate_blocks", "returns only the table", lambda *a: allocate(*a)[0], "return (block_table"),
     Wrong("allocate_blocks", "counts blocks as n // block_size + 1", lambda *a: allocate(*a, floor_plus_one=True),
           "adds an empty block whenever n is a multiple"),
