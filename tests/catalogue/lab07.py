@@ -67,7 +67,7 @@ class Allocator:
             self.lens[seq_id] += num_tokens
         new = [self.free.pop(0) for _ in range(needed)]
         self.tables[seq_id] += new
-        return new or None
+        return new if self.mistake == "empty_list" else new or None
 
     def free_sequence(self, seq_id):
         blocks = self.tables.pop(seq_id)
@@ -318,6 +318,8 @@ WRONG = [
           allocator_with("same_blocks"), "already holds"),
     Wrong("SimpleBlockAllocator", "utilization as a percentage", allocator_with("percent"), "not a percentage"),
     Wrong("SimpleBlockAllocator", "utilization of token slots", allocator_with("tokens"), "counted tokens"),
+    Wrong("SimpleBlockAllocator", "an append needing no block returns []", allocator_with("empty_list"),
+          "returns None"),
     Wrong("SimpleBlockAllocator", "free_sequence returns nothing", allocator_with("no_count"),
           "free_sequence returned None"),
     Wrong("SimpleBlockAllocator", "wraps labkit's BlockManager", ManagerAllocator,

@@ -27,6 +27,8 @@ def simple_block_allocator(ns):
     new = alloc.append_tokens(seq_id=1, num_tokens=10)  # 60 tokens: still 4 blocks
     if new:
         raise ExerciseFailed("appending 10 tokens to 50 allocated a block although the last block had 14 free slots")
+    if new is not None:
+        raise ExerciseFailed(f"an append that needs no new block returns None (the method's docstring), got {new!r}")
     new = alloc.append_tokens(seq_id=1, num_tokens=20)  # 80 tokens: 5 blocks
     if not new or len(new) != 1:
         raise ExerciseFailed(f"going from 60 to 80 tokens needs exactly one new block, got {new!r}")
