@@ -308,6 +308,9 @@ WRONG = [
     Wrong("top_k_filter", "keeps k - 1", lambda x, k: top_k_threshold(x, k - 1) if k > 1 else x.masked_fill(
         torch.ones_like(x, dtype=torch.bool), NEG_INF), "off-by-one"),
     Wrong("top_k_filter", "filters in place", in_place_top_k, "changed its input logits in place"),
+    Wrong("top_k_filter", "returns float64", lambda x, k: top_k_threshold(x, k).double(), "keep the logits' dtype"),
+    Wrong("temperature_probs", "returns float64", lambda x, t: temperature_where(x.double(), t.double()),
+          "keep the logits' dtype"),
     Wrong("top_k_filter", "returns only the top-k values", lambda x, k: x.topk(k, -1).values,
           "expected a tensor of shape"),
     Wrong("top_k_filter", "breaks ties by rank", lambda x, k: x.masked_fill(

@@ -22,6 +22,9 @@ def _call_without_mutation(fn, logits, *args):
     if not isinstance(got, torch.Tensor) or got.shape != logits.shape:
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         raise ExerciseFailed(f"expected a tensor of shape {tuple(logits.shape)}, got {shape}")
+    if got.dtype != logits.dtype:
+        raise ExerciseFailed(f"returned {got.dtype} for {logits.dtype} logits: keep the logits' dtype (the engine "
+                             "samples from what you return; a float64 copy doubles its memory)")
     return got
 
 
