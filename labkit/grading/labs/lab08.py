@@ -29,10 +29,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol)
 
 
-def _kernel(ns, factory: str):
+def _kernel(make_kernel, factory: str):
     """The kernel `factory()` returns; a Triton kernel's type derives from triton's KernelInterface (in the
     student's kernel, its agent refuses to launch anything else)."""
-    kernel = require(ns, factory)()
+    kernel = make_kernel()
     if isinstance(kernel, Handle) or any(c.__name__ == "KernelInterface" and c.__module__.startswith("triton.")
                                          for c in type(kernel).__mro__):
         return kernel
@@ -101,7 +101,7 @@ def _softmax_cases(dev):
 
 @exercise("08", "softmax_kernel")
 def softmax_kernel(ns):
-    kernel = _kernel(ns, "softmax_kernel")
+    kernel = _kernel(require(ns, "softmax_kernel"), "softmax_kernel")
     wrong_dtypes = []
     for x, block in _softmax_cases(_device()):
         out = torch.full_like(x, float("nan"))
@@ -169,7 +169,7 @@ def _store_cases(dev):
 
 @exercise("08", "store_kv_kernel", forbidden=OWN_KERNELS)
 def store_kv_kernel(ns):
-    kernel = _kernel(ns, "store_kv_kernel")
+    kernel = _kernel(require(ns, "store_kv_kernel"), "store_kv_kernel")
     for k, v, k_buf, v_buf, slots in _store_cases(_device()):
         blocks = (k_buf.shape[0] - 2) // 2
         k_cache, v_cache, after = k_buf[1:blocks + 1], v_buf[1:blocks + 1], slice(blocks + 1, None)
@@ -272,11 +272,11 @@ def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causa
     return out
 
 
-def _grade_paged(ns, factory: str, cases, decode: bool, mistakes) -> None:
+def _grade_paged(make_kernel, factory: str, cases, decode: bool, mistakes) -> None:
     """Launch the kernel on every case; on the first wrong fp32 case name the mistake from what it got right
     (GQA group, block size, sequences whose context fills its blocks, a typical mistake's output); wrong only
     in fp16/bf16 is a precision mistake."""
-    kernel = _kernel(ns, factory)
+    kernel = _kernel(make_kernel, factory)
     results, per_seq, wrong_dtypes, failed = [], [], [], None
     for q_lens, k_lens, *shape, dtype, seed in cases:
         desc, q, k_cache, v_cache, tables, cu_q, cu_k = _paged_case(q_lens, k_lens, *shape, dtype, seed, _device())
@@ -344,7 +344,7 @@ UNSCALED = "scores were not scaled: multiply q . k by scale (1/sqrt(head_dim), t
 
 @exercise("08", "paged_decode_kernel", forbidden=OWN_KERNELS)
 def paged_decode_kernel(ns):
-    _grade_paged(ns, "paged_decode_kernel", DECODE, decode=True, mistakes=[
+    _grade_paged(require(ns, "paged_decode_kernel"), "paged_decode_kernel", DECODE, decode=True, mistakes=[
         (dict(visible="padded"), "keys past the context length were attended to: mask positions >= context_len"),
         (dict(visible="one_more"), "one key past the context was attended to (pos <= context_len): the context "
                                    "holds positions 0 .. context_len - 1, so keep pos < context_len"),
@@ -359,7 +359,7 @@ def paged_decode_kernel(ns):
 
 @exercise("08", "paged_prefill_kernel", forbidden=OWN_KERNELS)
 def paged_prefill_kernel(ns):
-    _grade_paged(ns, "paged_prefill_kernel", PREFILL, decode=False, mistakes=[
+    _grade_paged(require(ns, "paged_prefill_kernel"), "paged_prefill_kernel", PREFILL, decode=False, mistakes=[
         (dict(visible="top_left"), "row i saw keys 0..i only, as if the prompt started the context: the new tokens "
                                    "end it, so row i sees keys up to k_len - q_len + i (the cached prefix too)"),
         (dict(visible="all"), "no causal mask: row i saw keys after its own position (up to k_len - q_len + i)"),
