@@ -195,7 +195,7 @@ def bwrap_class(tmp_path_factory):
                    "def stall(self, data, *args):\n    if len(data) > 64:\n        send(self, data[:40])\n"
                    "        time.sleep(1000)\n    return send(self, data, *args)\nsocket.socket.sendall = stall")
     write_notebook(klass / "collider", "00_setup.ipynb", "import torch",
-                   "def softmax(x):\n    return {1 + k * (2**61 - 1) for k in range(30_000)}")
+                   "def softmax(x):\n    return {1 + k * (2**61 - 1) for k in range(15_000)}")
     write_notebook(klass / "broadcaster", "00_setup.ipynb", "import torch",
                    "def softmax(x):\n    return torch.zeros(1).expand(2**31)")
     write_notebook(klass / "blank_lines", "00_setup.ipynb", "import torch", "\n" * 200_000 + GOOD)
