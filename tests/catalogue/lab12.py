@@ -53,8 +53,38 @@ def regimes_nested_loops(config, kv_heads_list, batches, contexts, peak_flops, b
     return result
 
 
+def regimes_by_bytes_and_flops(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2):
+    """The weights' and the K/V cache's share worked out once per head count, the time as max(F/P, B/W)."""
+    _check_heads(config, kv_heads_list)
+    hidden, layers, d = config["hidden_size"], config["num_layers"], config["head_dim"]
+    result = {}
+    for h in kv_heads_list:
+        params = (layers * hidden * ((2 * config["num_heads"] + 2 * h) * d + 3 * config["intermediate_size"])
+                  + config["vocab_size"] * hidden)
+        per_token_flops, per_cached_bytes = 4 * layers * config["num_heads"] * d, 2 * layers * h * d * dtype_bytes
+        grid = result[h] = {}
+        for b, n in itertools.product(batches, contexts):
+            flops = b * (2 * params + per_token_flops * n)
+            nbytes = params * dtype_bytes + b * n * per_cached_bytes
+            _, bound = roofline(flops / nbytes, peak_flops, bandwidth)
+            grid[b, n] = (flops / min(peak_flops, flops / nbytes * bandwidth), bound)
+    return result
+
+
+def regimes_derived_head_dim(config, *args):
+    return regimes_nested_loops({**config, "head_dim": config["hidden_size"] // config["num_heads"]}, *args)
+
+
+def regimes_writing_config(config, kv_heads_list, *args):
+    result = {}
+    for h in kv_heads_list:
+        config["num_kv_heads"] = h  # the caller's dict now says MQA
+        result.update(regimes_nested_loops(config, [h], *args))
+    return result
+
+
 def regimes_with_labkit_costs(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2):
-    """labkit.roofline's decode_cost on a ModelConfig rebuilt from the dict, one comprehension per head count."""
+    """labkit.roofline's decode_cost on a ModelConfig rebuilt from the dict: the pricing the exercise asks for."""
     _check_heads(config, kv_heads_list)
 
     def step(kv_heads, batch, context):
@@ -256,7 +286,7 @@ def perplexity_cross_entropy(logits, token_ids):
 
 RIGHT = [
     Right("decode_regimes", "nested loops over the grid", regimes_nested_loops),
-    Right("decode_regimes", "labkit's decode_cost on a rebuilt config", regimes_with_labkit_costs),
+    Right("decode_regimes", "bytes and FLOPs per head count, max of the two times", regimes_by_bytes_and_flops),
     Right("kv_capacity", "closed-form arithmetic", kv_capacity_arithmetic),
     Right("kv_capacity", "allocate blocks in a loop", kv_capacity_by_allocation),
     Right("pool_kv_heads", "reshape and mean", pool_reshape_mean),
@@ -291,6 +321,18 @@ WRONG = [
           "\"memory\" or \"compute\""),
     Wrong("decode_regimes", "imports the grader's reference", lambda *a: reference_decode_regimes(*a),
           "`reference_decode_regimes`", calls="labkit.grading.labs.lab12.reference_decode_regimes"),
+    Wrong("decode_regimes", "head_dim derived as hidden_size / num_heads", regimes_derived_head_dim,
+          "read head_dim from the config"),
+    Wrong("decode_regimes", "writes each head count into the config", regimes_writing_config,
+          "wrote into the config it was given"),
+    Wrong("decode_regimes", "labkit's decode_cost on a rebuilt config", regimes_with_labkit_costs, "`decode_cost`",
+          calls="labkit.roofline.decode_cost"),
+    Wrong("kv_capacity", "writes defaults into the config",
+          lambda config, *a: kv_capacity_arithmetic(config, *a) if config.update(hidden_size=1) is None else None,
+          "wrote into the config it was given"),
+    Wrong("kv_capacity", "ignores dtype_bytes",
+          lambda config, seq_len, memory, dtype_bytes, block: kv_capacity_arithmetic(config, seq_len, memory, 1, block),
+          "multiply by dtype_bytes"),
     Wrong("kv_capacity", "query heads instead of KV heads", kv_with(heads="num_heads"), "use num_kv_heads"),
     Wrong("kv_capacity", "head_dim derived as hidden_size / num_heads", kv_with(derive_head_dim=True),
           "read head_dim from the config"),
@@ -316,6 +358,10 @@ WRONG = [
           "return the weight unchanged"),
     Wrong("pool_kv_heads", "calls labkit's pooling", lambda *a: labkit_pool_kv_heads(*a), "`pool_kv_heads`",
           calls="labkit.model.kv_heads.pool_kv_heads"),
+    Wrong("pool_kv_heads", "returns float64", lambda *a: pool_reshape_mean(*a).double(), "return the weight's dtype"),
+    Wrong("perplexity", "subtracts the logsumexp in place",
+          lambda logits, ids: perplexity_log_softmax(logits.sub_(logits.logsumexp(-1, keepdim=True)), ids),
+          "changed the logits"),
     Wrong("perplexity", "no shift", perplexity_no_shift, "no shift"),
     Wrong("perplexity", "shifted the wrong way", perplexity_wrong_shift, "shifted the wrong way"),
     Wrong("perplexity", "exp of the sum", perplexity_sum, "not of the sum"),

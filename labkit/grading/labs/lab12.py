@@ -29,6 +29,8 @@ def _mistaken_cost(config, kv_heads, batch, context, dtype_bytes, mistake):
         kv_heads = config["num_kv_heads"]
     if mistake == "float32":
         dtype_bytes = 4
+    if mistake == "derived_head_dim":
+        config = {**config, "head_dim": config["hidden_size"] // config["num_heads"]}
     cost = decode_cost(_model_config(config, kv_heads), batch, context, dtype_bytes)
     flops, nbytes = cost.flops, cost.bytes_moved
     if mistake == "kv_only":  # the K/V reads shrink, but k_proj and v_proj are priced at the original heads
@@ -70,6 +72,8 @@ def reference_decode_regimes(config, kv_heads_list, batches, contexts, peak_flop
 
 
 _REGIME_MISTAKES = {
+    "derived_head_dim": "read head_dim from the config: hidden_size / num_heads is not every model's head size "
+                        "(Qwen3-0.6B: 1024 / 16 = 64, but its head_dim is 128)",
     "kept_heads": "every K/V-head count gave the same step: price each one with its own num_kv_heads",
     "kv_only": "fewer K/V heads also shrink k_proj and v_proj: the weights read per step change with num_kv_heads "
                "too, not only the K/V cache",
@@ -90,6 +94,8 @@ _SHAPES = {  # name: (shape, K/V-head counts to price)
                       "num_heads": 9, "num_kv_heads": 3, "head_dim": 64}, [9, 3, 1]),
     "Llama-3 8B": ({"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32,
                     "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}, [32, 8, 1]),
+    "Qwen3-0.6B": ({"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_layers": 28,
+                    "num_heads": 16, "num_kv_heads": 8, "head_dim": 128}, [16, 8, 2]),
     "a toy": ({"vocab_size": 100, "hidden_size": 16, "intermediate_size": 32, "num_layers": 2, "num_heads": 4,
                "num_kv_heads": 2, "head_dim": 4}, [2, 4]),
 }
@@ -100,15 +106,25 @@ def _same_step(got, want) -> bool:
             and not isinstance(got[0], bool) and math.isclose(got[0], want[0], rel_tol=1e-6) and got[1] == want[1])
 
 
-@exercise("12", "decode_regimes", forbidden=("labkit.grading.labs.lab12.reference_decode_regimes",))
+def _unchanged(given: dict, original: dict, name: str) -> None:
+    if given != original:
+        raise ExerciseFailed(f"your {name} wrote into the config it was given: read it, don't change it "
+                             "(the caller's model shape must stay as it was)")
+
+
+@exercise("12", "decode_regimes", forbidden=("labkit.grading.labs.lab12.reference_decode_regimes",
+                                             "labkit.roofline.decode_cost", "labkit.roofline.step_cost",
+                                             "labkit.roofline.weight_bytes"))
 def decode_regimes(ns):
     fn = require(ns, "decode_regimes")
-    machines = [(1.0e15, 3.35e12), (100e9, 20e9), (2.0e12, 0.1e12)]
+    machines = [(1.0e15, 3.35e12), (100e9, 20e9), (8.0e12, 2.0e12), (2.0e12, 0.1e12)]
     batches, contexts = [1, 16, 256, 2048], [0, 1, 512, 4096, 32768]
     for (name, (shape, kv_heads_list)), (peak, bandwidth) in zip(_SHAPES.items(), machines, strict=True):
         for dtype_bytes in (2, 1):
             args = (shape, kv_heads_list, batches, contexts, peak, bandwidth, dtype_bytes)
-            got = fn(dict(shape), list(kv_heads_list), list(batches), list(contexts), peak, bandwidth, dtype_bytes)
+            given = dict(shape)
+            got = fn(given, list(kv_heads_list), list(batches), list(contexts), peak, bandwidth, dtype_bytes)
+            _unchanged(given, shape, "decode_regimes")
             if not isinstance(got, dict) or set(got) != set(kv_heads_list):
                 raise ExerciseFailed(f"return a dict with one entry per K/V-head count {kv_heads_list}, got {got!r}")
             want = reference_decode_regimes(*args)
@@ -156,7 +172,8 @@ def reference_kv_capacity(config, seq_len, memory_bytes, dtype_bytes, block_size
     """(KV bytes per token, sequences of seq_len tokens that fit in memory_bytes of blocks)."""
     heads = config["num_heads"] if mistake == "query_heads" else config["num_kv_heads"]
     head_dim = config["hidden_size"] // config["num_heads"] if mistake == "derived_head_dim" else config["head_dim"]
-    per_token = (1 if mistake == "k_only" else 2) * config["num_layers"] * heads * head_dim * dtype_bytes
+    per_token = ((1 if mistake == "k_only" else 2) * config["num_layers"] * heads * head_dim
+                 * (1 if mistake == "no_dtype" else dtype_bytes))
     if mistake == "one_layer":
         per_token //= config["num_layers"]
     if mistake == "tokens_not_blocks":
@@ -172,6 +189,7 @@ _KV_MISTAKES = {
     "query_heads": "the cache stores K and V per KV head: use num_kv_heads, not num_heads (GQA shares them)",
     "derived_head_dim": "read head_dim from the config: hidden_size / num_heads is not every model's head size "
                         "(Qwen3-0.6B: 1024 / 16 = 64, but its head_dim is 128)",
+    "no_dtype": "multiply by dtype_bytes: the bytes per token depend on the element size (2 in bf16, 4 in float32)",
     "k_only": "the cache holds K and V: two tensors per layer (the factor 2)",
     "one_layer": "every layer has its own K and V: multiply by num_layers",
     "tokens_not_blocks": "memory is handed out in whole blocks: a sequence takes ceil(seq_len / block_size) "
@@ -202,15 +220,24 @@ def kv_capacity(ns):
         config["hidden_size"] = config["num_heads"] * config["head_dim"] // rng.choice([1, 1, 2])
         cases.append((config, rng.randint(1, 5000), rng.randint(10**5, 10**10), rng.choice([1, 2, 4]),
                       rng.choice([8, 16, 32])))
+    answers = []
     for config, *rest in cases:
-        got = fn(dict(config), *rest)
+        given = dict(config)
+        got = fn(given, *rest)
+        _unchanged(given, config, "kv_capacity")
         if not (isinstance(got, tuple | list) and len(got) == 2 and all(type(x) is int for x in got)):
             raise ExerciseFailed(f"return a pair of ints (bytes per token, number of sequences), got {got!r}")
-        want = reference_kv_capacity(config, *rest)
-        if tuple(got) == want:
+        answers.append(tuple(got))
+    wants = [reference_kv_capacity(config, *rest) for config, *rest in cases]
+    for mistake, why in _KV_MISTAKES.items():  # first a mistake that explains every answer
+        if answers != wants and answers == [reference_kv_capacity(config, *rest, mistake=mistake)
+                                            for config, *rest in cases]:
+            raise ExerciseFailed(why)
+    for got, want, (config, *rest) in zip(answers, wants, cases, strict=True):
+        if got == want:
             continue
         for mistake, why in _KV_MISTAKES.items():
-            if tuple(got) == reference_kv_capacity(config, *rest, mistake=mistake):
+            if got == reference_kv_capacity(config, *rest, mistake=mistake):
                 raise ExerciseFailed(why)
         seq_len, memory, dtype_bytes, block_size = rest
         raise ExerciseFailed(f"config={config}, seq_len={seq_len}, memory_bytes={memory}, dtype_bytes={dtype_bytes}, "
@@ -228,8 +255,8 @@ def _pool_mistakes(weight, num_kv, new):
     yield ("the rows are num_kv_heads blocks of head_dim rows each (head-major): reshape to "
            "(num_kv_heads, head_dim, ...), not (head_dim, num_kv_heads, ...)",
            weight.reshape(head_dim, num_kv, -1).reshape(head_dim, new, group, -1).mean(2).reshape(-1, weight.shape[1]))
-    yield ("query head h reads K/V head h // group: a group is a run of consecutive heads, not every "
-           f"{new}th head", heads.reshape(group, new, head_dim, -1).mean(0).reshape(-1, weight.shape[1]))
+    yield ("query head h reads K/V head h // group: a group is a run of consecutive heads, not heads "
+           f"{new} apart", heads.reshape(group, new, head_dim, -1).mean(0).reshape(-1, weight.shape[1]))
     yield ("average the heads of a group (mean), don't add them up",
            heads.reshape(new, group, head_dim, -1).sum(1).reshape(-1, weight.shape[1]))
     yield ("every head of a group counts: pool them, don't keep only the first",
@@ -253,6 +280,8 @@ def pool_kv_heads(ns):
             raise ExerciseFailed("your function changed the weight it was given: return a new tensor "
                                  "(the original model keeps its heads)")
         expect_tensor(got, (new * head_dim, hidden), f"pooling {num_kv} heads of {head_dim} rows into {new}")
+        if got.dtype != weight.dtype:
+            raise ExerciseFailed(f"return the weight's dtype ({weight.dtype}), got {got.dtype}")
         want = reference_pool_kv_heads(weight, num_kv, new)
         if torch.allclose(got, want, atol=1e-6):
             continue
@@ -302,7 +331,11 @@ def perplexity(ns):
     confident[:, 0] = 200.0
     cases.append((confident, torch.tensor([3, 5, 0, 0])))
     for logits, ids in cases:
-        got = fn(logits.clone(), ids.clone())
+        given_logits, given_ids = logits.clone(), ids.clone()
+        got = fn(given_logits, given_ids)
+        if not (torch.equal(given_logits, logits) and torch.equal(given_ids, ids)):
+            raise ExerciseFailed("your perplexity changed the logits (or ids) it was given: work on new tensors "
+                                 "(x - x.logsumexp(...), not x.sub_(...)); the caller still needs them")
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if isinstance(got, bool) or not isinstance(got, int | float):
