@@ -4,6 +4,7 @@ the course rules, the sandbox's command line and its kill, the fingerprint of wh
 Whole classes of attack notebooks, graded through the real command, are in test_grading_attacks.py.
 """
 
+import functools
 import json
 import os
 import socket
@@ -23,7 +24,7 @@ from labkit.cache.block_manager import Block
 from labkit.grading import ExerciseFailed, exercise, integrity, require, rules, sandbox
 from labkit.grading.codec import CodecError, Decoder, Encoder, dumps, loads
 from labkit.grading.core import _REGISTRY, get_exercise, run_exercise
-from labkit.grading.forbidden import static_violations
+from labkit.grading.forbidden import Tripwires, static_violations
 from labkit.grading.integrity import COURSE_ROOT
 from labkit.grading.remote import receive_frame, send_frame
 from labkit.grading.report import _cell, escape, format_table
@@ -533,6 +534,22 @@ def test_a_forbidden_function_kept_in_a_default_argument_or_a_closure_is_tripped
         assert not outcome.passed and "`torch.softmax`" in outcome.message
     assert namespace["softmax"].__defaults__[0] is torch.softmax, "restored afterwards"
     assert namespace["closed"].__closure__[0].cell_contents is torch.softmax
+
+
+def test_a_reference_handed_in_as_the_answer_itself_is_tripped():
+    from labkit.engine.parts import labkit_schedule_step
+
+    outcome = run_exercise(get_exercise("00", "softmax"), {"softmax": torch.softmax})
+    assert not outcome.passed and "`torch.softmax`" in outcome.message
+    parts = type("CapstoneParts", (), {"schedule_step": staticmethod(labkit_schedule_step)})
+    wires = Tripwires(("labkit.engine.parts.labkit_schedule_step",))
+    with wires.armed({}, functions=(parts().schedule_step,)):
+        pass
+    assert wires.tripped == ["labkit.engine.parts.labkit_schedule_step"]
+    wires = Tripwires(("torch.softmax",))
+    with wires.armed({}, functions=(functools.partial(torch.softmax, dim=-1),)):
+        pass
+    assert wires.tripped == ["torch.softmax"]
 
 
 def test_the_static_check_reads_getattr_with_a_constant_name():

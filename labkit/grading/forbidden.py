@@ -88,8 +88,8 @@ class Tripwires:
     @contextmanager
     def armed(self, *namespaces: dict, functions: tuple = ()):
         """Tripwires in place for the duration, in the forbidden objects' homes, under every name bound to
-        them in `namespaces`, and in the default arguments and closures of `functions`; nested arming is
-        a no-op."""
+        them in `namespaces`, and in the default arguments and closures of `functions`; a function that is
+        itself a forbidden object is tripped at once. Nested arming is a no-op."""
         if not self.forbidden or self._depth:
             self._depth += 1
             try:
@@ -113,6 +113,9 @@ class Tripwires:
                         namespace[key] = self._wire(targets[id(value)])
             for function in functions:
                 self._wire_captured(function, targets)
+                held = getattr(function, "func", function)  # a functools.partial holds its function
+                if id(held) in targets:  # the student's definition *is* the reference (`f = labkit's f`)
+                    self.tripped.append(targets[id(held)])
             yield self
         finally:
             self._depth -= 1
