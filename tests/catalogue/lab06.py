@@ -119,6 +119,15 @@ def sample_multinomial(logits, temperature, generator):
     return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
 
 
+def sample_manual_softmax(logits, temperature, generator):
+    """The softmax written out (max subtracted, exp, normalised), then the same seeded multinomial draw."""
+    if temperature == 0:
+        return logits.argmax().item()
+    scaled = logits / temperature
+    weights = (scaled - scaled.max()).exp()
+    return torch.multinomial(weights / weights.sum(), num_samples=1, generator=generator).item()
+
+
 def sample_inverse_cdf(logits, temperature, generator):
     if temperature == 0:
         return logits.argmax().item()
@@ -238,6 +247,7 @@ RIGHT = [
     Right("top_p_filter", "sorted cumulative sum scattered back", top_p_scatter),
     Right("top_p_filter", "python loop per row", top_p_rows),
     Right("sample_next", "torch.multinomial with the generator", sample_multinomial),
+    Right("sample_next", "the softmax written out, then torch.multinomial", sample_manual_softmax),
 ]
 
 WRONG = [
