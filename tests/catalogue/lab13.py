@@ -6,6 +6,7 @@ import torch
 
 from catalogue import Right, Wrong
 from labkit.cache.kv_quant import INT8, store_quantized
+from labkit.model.weight_formats import dequantize_q4_1, quantize_q4_1
 
 
 # ---- quantize_per_channel --------------------------------------------------------------------
@@ -242,6 +243,54 @@ def encode_nan_on_constant_groups(w):
     return torch.from_numpy(np.concatenate([header, q[:, :16] | (q[:, 16:] << 4)], axis=1).reshape(-1))
 
 
+def per_channel_in_place(w):
+    scales = w.abs().amax(dim=1) / 127
+    safe = torch.where(scales > 0, scales, 1.0)
+    return w.div_(safe[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
+
+
+def decode_masking_in_place(raw):
+    blocks = raw.view(-1, 20)
+    high = blocks[:, 4:] >> 4
+    blocks[:, 4:] &= 15  # the caller's bytes lose their high nibbles
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return (d * torch.cat([blocks[:, 4:], high], dim=1).float() + m).flatten()
+
+
+def decode_with_labkit(raw):
+    blocks = raw.view(-1, 20)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    codes = torch.cat([blocks[:, 4:] & 15, blocks[:, 4:] >> 4], dim=1)
+    return dequantize_q4_1(codes, d, m).flatten()
+
+
+def encode_subtracting_in_place(w):
+    groups = w.view(-1, 32)
+    lo = groups.amin(1, keepdim=True).clone()
+    groups -= lo  # the caller's weights are now w - m
+    return encode_numpy(groups.add(lo).reshape(-1))
+
+
+def encode_with_labkit(w):
+    codes, d, m = quantize_q4_1(w.view(-1, 32))
+    packed = codes[:, :16] | (codes[:, 16:] << 4)
+    header = torch.cat([d.half().view(torch.uint8).view(-1, 2), m.half().view(torch.uint8).view(-1, 2)], dim=1)
+    return torch.cat([header, packed], dim=1).reshape(-1)
+
+
+def encode_high_nibble_first(w):
+    raw = encode_numpy(w).view(-1, 20).clone()
+    raw[:, 4:] = (raw[:, 4:] >> 4) | (raw[:, 4:] << 4)
+    return raw.reshape(-1)
+
+
+def encode_m_first(w):
+    raw = encode_numpy(w).view(-1, 20)
+    return torch.cat([raw[:, 2:4], raw[:, 0:2], raw[:, 4:]], dim=1).reshape(-1)
+
+
 def encode_with_gguf(w):
     raw = gguf.quants.quantize(w.numpy().reshape(-1, 32), gguf.GGMLQuantizationType.Q4_1)
     return torch.from_numpy(raw.reshape(-1).copy())
@@ -261,6 +310,23 @@ RIGHT = [
 ]
 
 WRONG = [
+    Wrong("quantize_per_channel", "divides the caller's weight in place", per_channel_in_place,
+          "changed the weight it was given"),
+    Wrong("quantize_per_channel", "scales kept as a column", lambda w: (per_channel_torch(w)[0],
+                                                                      per_channel_torch(w)[1][:, None]),
+          "a float32 vector of shape"),
+    Wrong("quantize_per_channel", "float64 scales",
+          lambda w: (per_channel_torch(w)[0], per_channel_torch(w)[1].double()), "a float32 vector of shape"),
+    Wrong("decode_q4_1", "masks the caller's bytes in place", decode_masking_in_place,
+          "changed the bytes it was given"),
+    Wrong("decode_q4_1", "labkit's dequantize_q4_1 on the unpacked codes", decode_with_labkit, "`dequantize_q4_1`",
+          calls="labkit.model.weight_formats.dequantize_q4_1"),
+    Wrong("encode_q4_1", "subtracts the minimum in place", encode_subtracting_in_place,
+          "changed the weights it was given"),
+    Wrong("encode_q4_1", "labkit's quantize_q4_1, then packs", encode_with_labkit, "`quantize_q4_1`",
+          calls="labkit.model.weight_formats.quantize_q4_1"),
+    Wrong("encode_q4_1", "high nibble first", encode_high_nibble_first, "you swapped them"),
+    Wrong("encode_q4_1", "m before d in the header", encode_m_first, "you wrote m first"),
     Wrong("quantize_per_channel", "one scale for the matrix", per_tensor, "one scale for the whole matrix"),
     Wrong("quantize_per_channel", "one scale for the matrix, repeated per row", per_tensor_expanded,
           "scales differ from max|w| / 127 per row"),

@@ -7,7 +7,15 @@ import torch
 from labkit.grading import ExerciseFailed, exercise, require
 
 _GGUF = ("gguf.quants.dequantize", "gguf.quants.quantize", "gguf.quants.Q4_1.dequantize_blocks",
-         "gguf.quants.Q4_1.quantize_blocks", "labkit.model.gguf_loader.load_gguf")
+         "gguf.quants.Q4_1.quantize_blocks", "labkit.model.gguf_loader.load_gguf",
+         "labkit.model.weight_formats.dequantize_q4_1", "labkit.model.weight_formats.quantize_q4_1")
+
+
+def _unchanged(given: torch.Tensor, original: torch.Tensor, what: str) -> None:
+    """In-place answers rewrite the caller's data (in the notebook, SmolLM2's own weights): name them."""
+    if not torch.equal(given, original):
+        raise ExerciseFailed(f"your function changed the {what} it was given (an in-place op such as div_, -= or "
+                             "&=): work on a copy, the caller's tensor must stay as it was")
 
 
 def _two_tensors(got, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +132,9 @@ def quantize_per_channel(ns):
     fn = require(ns, "quantize_per_channel")
     g = torch.Generator().manual_seed(13)
     for w in _weight_cases(g):
-        q, scales = _two_tensors(fn(w.clone()), "int8 codes, scales")
+        given = w.clone()
+        q, scales = _two_tensors(fn(given), "int8 codes, scales")
+        _unchanged(given, w, "weight")
         if q.dtype != torch.int8 or q.shape != w.shape:
             raise ExerciseFailed(f"the codes must be an int8 tensor of the weight's shape {tuple(w.shape)}, "
                                  f"got {q.dtype} {tuple(q.shape)}")
@@ -134,9 +144,9 @@ def quantize_per_channel(ns):
         if scales.numel() == 1 and w.shape[0] > 1:
             raise ExerciseFailed("one scale for the whole matrix (per tensor): per output channel means one scale "
                                  "per row, so a small row is not rounded on a large row's grid")
-        if scales.numel() != w.shape[0]:
-            raise ExerciseFailed(f"expected {w.shape[0]} scales (one per row), got shape {tuple(scales.shape)}")
-        scales = scales.reshape(-1).float()
+        if scales.shape != (w.shape[0],) or scales.dtype != torch.float32:
+            raise ExerciseFailed(f"return the scales as a float32 vector of shape ({w.shape[0]},), one per row; got "
+                                 f"{scales.dtype} {tuple(scales.shape)}")
         if not torch.isfinite(scales).all() or (q.float() * scales[:, None]).isnan().any():
             raise ExerciseFailed("NaN or inf: an all-zero row has max |w| = 0; give it scale 0 (or any) and codes 0")
         want = reference_quantize_per_channel(w)[1]
@@ -216,7 +226,9 @@ def decode_q4_1(ns):
     g = torch.Generator().manual_seed(4)
     for n_groups in (2, 3, 40):
         _, raw = _q4_1_bytes(g, n_groups)
-        got = fn(torch.from_numpy(raw.copy()))
+        given = torch.from_numpy(raw.copy())
+        got = fn(given)
+        _unchanged(given, torch.from_numpy(raw), "bytes")
         if not isinstance(got, torch.Tensor):
             raise ExerciseFailed(f"return a tensor of weights, got {type(got).__name__}")
         want = _gguf_decode(raw)
@@ -258,7 +270,9 @@ def encode_q4_1(ns):
     g = torch.Generator().manual_seed(41)
     for n_groups in (2, 25):
         w, _ = _q4_1_bytes(g, n_groups)
-        got = fn(torch.from_numpy(w.reshape(-1).copy()))
+        given = torch.from_numpy(w.reshape(-1).copy())
+        got = fn(given)
+        _unchanged(given, torch.from_numpy(w.reshape(-1)), "weights")
         if not isinstance(got, torch.Tensor) or got.dtype != torch.uint8:
             raise ExerciseFailed(f"return the bytes as a uint8 tensor, got "
                                  f"{got.dtype if isinstance(got, torch.Tensor) else type(got).__name__}")
@@ -274,6 +288,8 @@ def encode_q4_1(ns):
         if not np.isfinite(d.astype(np.float32)).all():
             raise ExerciseFailed("d is NaN or inf: a group whose weights are all equal has d = 0 (and codes 0)")
         if not np.array_equal(m, want_m):
+            if np.array_equal(d, want_m) and np.array_equal(m, want_d):
+                raise ExerciseFailed("the block starts with d, then m (both float16): you wrote m first")
             if np.allclose(m.astype(np.float32), 0):
                 raise ExerciseFailed("m is 0: Q4_1 stores each group's minimum as m, so the 16 levels span min..max")
             raise ExerciseFailed("m must be the group's minimum, as float16")
@@ -287,10 +303,13 @@ def encode_q4_1(ns):
         decoded = _gguf_decode(raw).reshape(-1, Q4_1_GROUP)
         error = np.abs(decoded - groups)
         if (error > slack[:, None]).any():
-            flipped = _gguf_decode(_interleave(raw)).reshape(-1, Q4_1_GROUP)
-            if (np.abs(flipped - groups) <= slack[:, None]).all():
-                raise ExerciseFailed("weights j and j + 16 share byte j (low and high nibble), "
-                                     "not neighbours 2j, 2j + 1")
+            for repack, why in ((_interleave, "weights j and j + 16 share byte j (low and high nibble), "
+                                              "not neighbours 2j, 2j + 1"),
+                                (_swap_nibbles, "weight j goes in byte j's low nibble and weight j + 16 in its "
+                                                "high nibble: you swapped them")):
+                repacked = _gguf_decode(repack(raw)).reshape(-1, Q4_1_GROUP)
+                if (np.abs(repacked - groups) <= slack[:, None]).all():
+                    raise ExerciseFailed(why)
             raise ExerciseFailed(f"a weight decodes {error.max():.3g} away from its value, more than half a step "
                                  "(d / 2): round (w - m) / d to the nearest code, do not truncate")
     return "d = (max - min) / 15 and m = min as float16, codes rounded and packed j | (j + 16) << 4"
@@ -302,6 +321,13 @@ def _interleave(raw: np.ndarray) -> np.ndarray:
     qs = blocks[:, 4:]
     codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(len(blocks), Q4_1_GROUP)
     blocks[:, 4:] = codes[:, :16] | (codes[:, 16:] << 4)
+    return blocks.reshape(-1)
+
+
+def _swap_nibbles(raw: np.ndarray) -> np.ndarray:
+    """Re-pack codes written high nibble first the way Q4_1 packs them."""
+    blocks = raw.reshape(-1, Q4_1_BYTES).copy()
+    blocks[:, 4:] = (blocks[:, 4:] >> 4) | (blocks[:, 4:] << 4)
     return blocks.reshape(-1)
 
 
