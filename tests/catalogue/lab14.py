@@ -129,6 +129,20 @@ def sampled_with(p, draft, q, generator, *, rule="ratio", resample="residual", b
     return out + ([int(torch.multinomial(p[len(draft)], 1, generator=generator))] if bonus else [])
 
 
+def sampled_global_rng(p, draft, q, generator):
+    """Right but for the generator: torch's global random numbers, so a seed cannot replay a run."""
+    return sampled_right(p, draft, q, None)
+
+
+def sampled_own_seed(p, draft, q, generator):
+    return sampled_right(p, draft, q, torch.Generator().manual_seed(0))
+
+
+def sampled_q_is_p(p, draft, q, generator):
+    """A deterministic drafter (q None) taken as q = p: every draft accepted, and max(0, p - p) is all zeros."""
+    return sampled_right(p, draft, p[:len(draft)] if q is None else q, generator)
+
+
 # ---- best_k ----------------------------------------------------------------------------------
 def best_k_loop(alpha, draft_cost, max_k):
     best_k, best = 1, 0.0
@@ -162,6 +176,12 @@ def best_k_with(alpha, draft_cost, max_k, *, n_of=lambda k: k + 1, cost_of=lambd
 def best_k_divides_by_zero(alpha, draft_cost, max_k):
     pairs = [(k, (1 - alpha ** (k + 1)) / (1 - alpha) / (1 + k * draft_cost)) for k in range(1, max_k + 1)]
     return max(pairs, key=lambda pair: pair[1])
+
+
+def best_k_largest_on_a_tie(alpha, draft_cost, max_k):
+    tok = (lambda k: k + 1) if alpha == 1 else (lambda k: (1 - alpha ** (k + 1)) / (1 - alpha))
+    speedup, k = max((tok(k) / (1 + k * draft_cost), k) for k in range(1, max_k + 1))
+    return k, speedup
 
 
 def best_k_from_zero(alpha, draft_cost, max_k):
@@ -237,6 +257,10 @@ WRONG = [
           "runs k times"),
     Wrong("best_k", "divides by 1 - alpha at alpha = 1", best_k_divides_by_zero, "divided by zero"),
     Wrong("best_k", "searches from k = 0", best_k_from_zero, "k = 0 is no speculation"),
+    Wrong("verify_sampled", "torch's global random numbers", sampled_global_rng, "seeded alike gave different tokens"),
+    Wrong("verify_sampled", "a generator of its own", sampled_own_seed, "seeded differently gave the same tokens"),
+    Wrong("verify_sampled", "a deterministic drafter taken as q = p", sampled_q_is_p, "q is one-hot on the draft"),
+    Wrong("best_k", "the largest k on a tie", best_k_largest_on_a_tie, "on a tie return the smallest k"),
     Wrong("best_k", "calls the grader's reference", lambda a, c, m: reference_best_k(a, c, m), "`reference_best_k`",
           calls="labkit.grading.labs.lab14.reference_best_k"),
 ]

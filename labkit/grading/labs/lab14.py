@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from labkit.grading import ExerciseFailed, exercise, require
+from labkit.grading import ExerciseFailed, exercise, raised_type, require
 
 _SPEC = "labkit.engine.speculative."
 
@@ -268,6 +268,24 @@ def _check_replacements(label, records, after, p, q, k):
                              f"{p[k].tolist()}: after all k drafts are accepted, draw from target_probs[k]")
 
 
+def _draws(fn, seed: int) -> list:
+    """What the student's verify_sampled emits over a run of calls that share one generator seeded `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    p, q, _, _ = _SAMPLED_CASES[2]
+    return [fn(p.clone(), [0, 4], q.clone(), g) for _ in range(24)]
+
+
+def _reproducible(fn) -> None:
+    """Every random number must come from the generator: the same seed gives the same tokens, another seed others."""
+    if _draws(fn, 7) != _draws(fn, 7):
+        raise ExerciseFailed("two runs with generators seeded alike gave different tokens: draw every random number "
+                             "from the generator you are given (torch.rand(..., generator=generator), "
+                             "torch.multinomial(..., generator=generator)), not from torch's global one")
+    if _draws(fn, 7) == _draws(fn, 8):
+        raise ExerciseFailed("generators seeded differently gave the same tokens: draw every random number from the "
+                             "generator you are given, not from a source you seed yourself")
+
+
 @exercise("14", "verify_sampled", forbidden=(_SPEC + "verify_sampled",))
 def verify_sampled(ns):
     fn = require(ns, "verify_sampled")
@@ -278,10 +296,19 @@ def verify_sampled(ns):
         if _as_tokens(fn(certain.clone(), [1], None, g), "p = one-hot on the draft") != [1, 0]:
             raise ExerciseFailed("the target gives the draft probability 1: accept it (min(1, p/q) = 1), then draw "
                                  "the bonus token from the last row")
-        got = _as_tokens(fn(certain.clone(), [2], None, g), "p(draft) = 0")
+        try:
+            got = _as_tokens(fn(certain.clone(), [2], None, g), "p(draft) = 0")
+        except ExerciseFailed:
+            raise
+        except Exception as error:  # noqa: BLE001 - q = p makes the residual all zeros, which multinomial refuses
+            raise ExerciseFailed(f"draft_probs None, a draft the target gives probability 0: your code raised "
+                                 f"{raised_type(error)}. None means a deterministic drafter: q is one-hot on the "
+                                 "draft (q(x) = 1), not p, so the residual max(0, p - q) is p without the draft "
+                                 "token") from None
         if got != [1]:
             raise ExerciseFailed(f"the target gives the draft probability 0, so it is always rejected and the "
                                  f"replacement comes from max(0, p - q), which is token 1; got {got}")
+    _reproducible(fn)
     # Then statistics, position by position: how often each draft is accepted (the acceptance rule), and
     # what is drawn after a rejection (the replacement), two separate diagnoses.
     for p, draft_probs, draft_dist, trials in _SAMPLED_CASES:
@@ -311,7 +338,7 @@ def reference_best_k(alpha, draft_cost, max_k, *, off_by_one=False, no_cost=Fals
 
 
 _K_CASES = [(0.8, 0.05, 8), (0.5, 0.1, 6), (0.9, 0.02, 10), (1.0, 0.1, 5), (0.0, 0.1, 4), (0.7, 0.3, 6),
-            (0.95, 0.0, 3)]
+            (0.95, 0.0, 3), (0.0, 0.0, 4), (1.0, 1.0, 3)]  # the last two: every k ties
 _K_MISTAKES = (
     (dict(off_by_one=True), "k drafts give up to k + 1 tokens (the bonus): E = (1 - alpha^(k+1)) / (1 - alpha)"),
     (dict(no_cost=True), "the drafter is not free: a step costs 1 + k * draft_cost target forwards"),
@@ -340,6 +367,9 @@ def best_k(ns):
                 raise ExerciseFailed(f"best_k({alpha}, {cost}, {max_k}) gave {got}: {why}")
         if k == 0:
             raise ExerciseFailed("k = 0 is no speculation; search k from 1 to max_k")
+        if k > want_k and math.isclose(float(speedup), want_speedup, rel_tol=1e-6):
+            raise ExerciseFailed(f"best_k({alpha}, {cost}, {max_k}) gave {got}: k = {want_k} reaches the same "
+                                 "speed-up; on a tie return the smallest k (fewer drafts to compute and throw away)")
         raise ExerciseFailed(f"best_k({alpha}, {cost}, {max_k}) gave {got}, expected ({want_k}, {want_speedup:.4f})")
     return "expected tokens (1 - alpha^(k+1)) / (1 - alpha) over cost 1 + k c, maximised over k"
 
