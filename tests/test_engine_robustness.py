@@ -199,6 +199,33 @@ def test_an_interrupted_generate_leaves_the_engine_clean(tiny, monkeypatch):
     assert_no_leak(llm)
 
 
+def test_ctrl_c_during_a_step_takes_effect_when_the_step_is_done(tiny, monkeypatch):
+    """A real SIGINT (the notebook's interrupt) lands where a step has taken a request off the waiting
+    queue but not yet put it in the running one: the step finishes first, then KeyboardInterrupt, and
+    nothing is lost (without the deferral the request was in no queue, forever unfinished)."""
+    import os
+    import signal
+
+    llm = engine(tiny)
+    take = llm.scheduler._take
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # raised at the next bytecode, between the two queues
+        return take(*args, **kwargs)
+
+    ids = [llm.add_request(prompt(i), greedy(1)) for i in range(2)]
+    monkeypatch.setattr(llm.scheduler, "_take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is put back"
+    outputs = llm.step()  # the interrupted step finished both requests; their outputs waited
+    assert sorted(o.request_id for o in outputs) == ids and not llm.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in sorted(outputs, key=lambda o: o.request_id)] == \
+        alone(tiny, [prompt(0), prompt(1)], [greedy(1)] * 2)
+    assert_no_leak(llm)
+
+
 # --- inputs -----------------------------------------------------------------------------------
 def test_numpy_token_ids_are_prompts_and_floats_or_bools_are_not(tiny):
     llm = engine(tiny)

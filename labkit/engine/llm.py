@@ -35,6 +35,7 @@ from labkit.cache.paged_storage import PagedKVStorage
 from labkit.device import pick_device
 from labkit.engine.beam_search import EngineBeamSearch
 from labkit.engine.cuda_graph import capture_sizes
+from labkit.engine.interrupts import deferred_interrupts
 from labkit.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, num_blocks_for_memory, profile_cuda_memory
 from labkit.engine.metrics import EngineMetrics, RequestMetrics
 from labkit.engine.model_runner import ModelRunner
@@ -209,15 +210,20 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step. Returns the outputs of finished requests that were queued
         with `add_request`, including those that finished during another caller's steps (a
-        `generate` or `stream` call collects its own requests and leaves everyone else's here)."""
-        self._run_step()
-        return [self._outputs.pop(i) for i in list(self._outputs) if i not in self._claimed]
+        `generate` or `stream` call collects its own requests and leaves everyone else's here).
+        Ctrl-C during a step takes effect when the step is done (labkit/engine/interrupts.py)."""
+        finished = {}
+        with deferred_interrupts(undo=lambda: self._outputs.update(finished)):  # kept for the next step
+            self._run_step()
+            for i in [i for i in self._outputs if i not in self._claimed]:
+                finished[i] = self._outputs.pop(i)
+        return list(finished.values())
 
     def _run_step(self) -> None:
         """Schedule, run, append and release; finished requests' outputs go to `self._outputs`.
 
-        Safe to interrupt anywhere (KeyboardInterrupt, an exception): until the scheduler's
-        postprocess advances a sequence, its step can simply run again, so the sampled tokens are
+        Safe to stop at any exception it raises: until the scheduler's postprocess advances a
+        sequence, its step can simply run again, so the sampled tokens are
         appended one sequence at a time, each append (and each fork of a new sample) all or
         nothing, and whatever finished but was not released or collected yet is picked up by the
         next step. A new sample adopted before the interrupt recomputes its share of the step
