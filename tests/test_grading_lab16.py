@@ -245,6 +245,24 @@ def saturation_unsorted(rows, factor=3.0):
     return next((r for r, lat in rows if lat > factor * rows[0][1]), None)
 
 
+def saturation_min_baseline(rows, factor=3.0):
+    base = min(t for _, t in rows)
+    return next((r for r, lat in sorted(rows) if lat > factor * base), None)
+
+
+def saturation_factor_three(rows, factor=3.0):
+    return saturation_rate(rows, 3.0)
+
+
+def percentile_sorts_in_place(values, q):
+    values.sort()
+    return percentile(values, q)
+
+
+def percentile_float32(values, q):
+    return float(np.float32(percentile(values, q)))
+
+
 def saturation_ge(rows, factor=3.0):
     rows = sorted(rows)
     return next((r for r, lat in rows if lat >= factor * rows[0][1]), None)
@@ -291,6 +309,10 @@ def saturation_previous_row(rows, factor=3.0):
     ("percentile", percentile_lower, "you took the order statistic below the rank"),
     ("percentile", percentile_rounded_rank, "you rounded the rank"),
     ("percentile", percentile_swapped_weights, "the weights are swapped"),
+    ("percentile", percentile_sorts_in_place, "reordered the caller's list"),
+    ("percentile", percentile_float32, "float32's precision"),
+    ("percentile", lambda v, q: float(__import__("torch").quantile(__import__("torch").tensor(v, dtype=__import__(
+        "torch").float64), q / 100)), "`torch.quantile` is what this exercise asks you to write"),
     ("poisson_arrivals", poisson_arrivals, "exponential gaps"),
     ("poisson_arrivals", poisson_by_inversion, "exponential gaps"),
     ("poisson_arrivals", stub, "not implemented yet"),
@@ -308,6 +330,8 @@ def saturation_previous_row(rows, factor=3.0):
     ("saturation_rate", saturation_previous_row, "not with the previous row's"),
     ("saturation_rate", saturation_last_rate_when_none, "return None"),
     ("saturation_rate", saturation_latency, "not its latency"),
+    ("saturation_rate", saturation_min_baseline, "not the smallest latency in the table"),
+    ("saturation_rate", saturation_factor_three, "the factor you are given"),
 ])
 def test_lab16_graders(name, fn, message):
     outcome = grade(name, fn)

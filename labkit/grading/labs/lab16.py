@@ -165,7 +165,8 @@ def _close(a, b) -> bool:
 
 @exercise("16", "percentile", forbidden=("numpy.percentile", "numpy.quantile", "numpy.nanpercentile",
                                          "numpy.nanquantile", "statistics.quantiles",
-                                         "labkit.serve.loadgen.percentiles"))
+                                         "labkit.serve.loadgen.percentiles", "torch.quantile", "torch.Tensor.quantile",
+                                         "torch.nanquantile"))
 def percentile(ns):
     fn = require(ns, "percentile")
     rng = random.Random(99)
@@ -173,7 +174,13 @@ def percentile(ns):
              ([1.0, 2.0, 3.0], 100)]
     cases += [([rng.expovariate(1.0) for _ in range(rng.randint(1, 60))], rng.choice([50, 90, 99, 25, 75]))
               for _ in range(60)]
-    results = [(values, q, float(np.percentile(values, q)), fn(list(values), q)) for values, q in cases]
+    results = []
+    for values, q in cases:
+        given = list(values)
+        results.append((values, q, float(np.percentile(values, q)), fn(given, q)))
+        if given != values:
+            raise ExerciseFailed(f"percentile({[round(v, 3) for v in values]}, {q}) reordered the caller's list "
+                                 "(values.sort() sorts in place): sort a copy, sorted(values)")
     wrong = [(values, q, want, got) for values, q, want, got in results if not _same_number(got, want)]
     if not wrong:
         return "linear interpolation between order statistics, as numpy's percentile does by default"
@@ -182,6 +189,8 @@ def percentile(ns):
     for mistake, why in PERCENTILE_MISTAKES:  # the mistake that explains every wrong answer
         if all(_same_number(got, mistake(list(values), q)) for values, q, _, got in wrong):
             raise ExerciseFailed(f"{where}: {why}")
+    if all(isinstance(got, int | float) and math.isclose(got, want, rel_tol=1e-6) for _, _, want, got in wrong):
+        raise ExerciseFailed(f"{where}: right to float32's precision only; compute with Python floats (float64)")
     raise ExerciseFailed(f"{where}: sort the values, take rank (n - 1) * q / 100, and interpolate linearly between "
                          "the values at its floor and ceiling")
 
@@ -270,6 +279,9 @@ SATURATION_MISTAKES = [
     (lambda rows, f: next((b[0] for a, b in zip(sorted(rows), sorted(rows)[1:], strict=False)
                            if b[1] > f * a[1]), None),
      "compare every rate with the lowest rate's latency, not with the previous row's"),
+    (lambda rows, f: next((r for r, lat in sorted(rows) if lat > f * min(lat for _, lat in rows)), None),
+     "the baseline is the lowest rate's latency, not the smallest latency in the table (a noisy run can be "
+     "fastest at a higher rate)"),
 ]
 
 
@@ -282,7 +294,11 @@ def saturation_rate(ns):
              ([(1, 0.1), (2, 0.2), (3, 0.3)], 3.0),  # never more than 3x: not saturated in this range
              ([(1, 0.25), (2, 0.75), (3, 0.8)], 3.0),  # exactly 3x is not yet more than 3x
              ([(0.5, 0.2), (1, 0.25), (2, 0.7), (4, 3.0)], 2.0),
-             ([(1, 0.1), (2, 0.15), (3, 0.25), (4, 0.35), (5, 0.5)], 3.0)]
+             ([(1, 0.1), (2, 0.15), (3, 0.25), (4, 0.35), (5, 0.5)], 3.0),
+             # the lowest rate is not the fastest
+             ([(1, 0.2), (2, 0.1), (4, 0.19), (8, 0.3), (16, 0.35), (32, 2.0)], 2.0),
+             ([(1, 0.1), (2, 0.22), (4, 0.25), (8, 2.0)], 2.0),  # factor 2 and factor 3 disagree
+             ([(1, 0.1), (2, 0.32), (4, 0.38), (8, 0.45), (16, 2.0)], 4.0)]  # so do factor 4 and factor 3
     for _ in range(40):
         rates = sorted(rng.sample(range(1, 40), rng.randint(2, 7)))
         knee = rng.choice(rates + [100])
@@ -303,6 +319,9 @@ def saturation_rate(ns):
         for mistake, message in SATURATION_MISTAKES:
             if got == mistake(list(rows), factor) != want:
                 raise ExerciseFailed(f"{where}: expected {want}, got {got}: {message}")
+        if any(got == reference_saturation_rate(rows, other) for other in (2.0, 3.0, 4.0, 5.0) if other != factor):
+            raise ExerciseFailed(f"{where}: expected {want}, got {got}, the answer for another factor: compare "
+                                 "with factor x the baseline, the factor you are given")
         raise ExerciseFailed(f"{where}: expected {want}, got {got}")
     return "the first rate whose latency exceeds factor x the unloaded latency"
 
