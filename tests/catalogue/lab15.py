@@ -80,6 +80,14 @@ def row_forward_slices(x, weight, bias, world_size):
     return (out if bias is None else out + bias), partials
 
 
+def row_forward_bias_rank0(x, weight, bias, world_size):
+    """Rank 0 keeps the bias (as sharding does), so its partial carries it into the sum."""
+    out, partials = row_forward_slices(x, weight, None, world_size)
+    if bias is not None:
+        partials[0] = partials[0] + bias
+    return sum(partials), partials
+
+
 def row_forward_chunks(x, weight, bias, world_size):
     partials = [xs @ ws.T for xs, ws in zip(x.chunk(world_size, dim=-1), weight.chunk(world_size, dim=1),
                                             strict=True)]
@@ -160,6 +168,14 @@ def online_no_rescale_acc(m, denom, acc, scores, values):
 def online_no_rescale_denom(m, denom, acc, scores, values):
     m_new, _, acc_new = online_update(m, denom, acc, scores, values)
     return m_new, denom + torch.exp(scores - m_new[:, None]).sum(1), acc_new
+
+
+def online_old_max_weights(m, denom, acc, scores, values):
+    """The tile's weights taken under the old max (the new one where there is none yet)."""
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    p = torch.exp(scores - torch.where(torch.isfinite(m), m, m_new)[:, None])
+    alpha = torch.exp(m - m_new)
+    return m_new, denom * alpha + p.sum(1), acc * alpha[:, None] + p @ values
 
 
 def online_no_max(m, denom, acc, scores, values):
@@ -275,6 +291,8 @@ WRONG = [
     Wrong("shard_linear", "imports the grader's reference", lambda *a: reference_shard_linear(*a),
           "`reference_shard_linear`", calls="labkit.grading.labs.lab15.reference_shard_linear"),
     Wrong("row_parallel_forward", "bias added on every rank", row_forward_bias_each, "added once, after the sum"),
+    Wrong("row_parallel_forward", "bias in rank 0's partial", row_forward_bias_rank0,
+          "rank 0's partial includes the bias"),
     Wrong("row_parallel_forward", "partials averaged", row_forward_mean, "averaging them divides"),
     Wrong("row_parallel_forward", "output sliced like column-parallel", row_forward_output_slices,
           "the *full* output width"),
@@ -288,6 +306,8 @@ WRONG = [
     Wrong("online_softmax_update", "acc not rescaled", online_no_rescale_acc, "acc must be rescaled"),
     Wrong("online_softmax_update", "denominator not rescaled", online_no_rescale_denom,
           "denom was summed under the old max"),
+    Wrong("online_softmax_update", "the tile's weights under the old max", online_old_max_weights,
+          "taken under the old max"),
     Wrong("online_softmax_update", "no max subtracted", online_no_max, "exponentiate scores minus the running max"),
     Wrong("online_softmax_update", "the tile's max, not the running max", online_tile_max_only,
           "larger of the old running max"),
@@ -307,6 +327,8 @@ WRONG = [
     Wrong("attention_traffic", "elements, not bytes", traffic_with(in_bytes=False), "multiply by dtype_bytes"),
     Wrong("attention_traffic", "imports the grader's reference", lambda *a: reference_attention_traffic(*a),
           "`reference_attention_traffic`", calls="labkit.grading.labs.lab15.reference_attention_traffic"),
+    Wrong("attention_traffic", "float byte counts", lambda *a: {k: float(v) for k, v in traffic_formula(*a).items()},
+          "as ints"),
     Wrong("attention_traffic", "returns a tuple", lambda *a: tuple(traffic_formula(*a).values()), "return a dict"),
     Wrong("attention_traffic", "calls labkit's attention_hbm_bytes", lambda *a: attention_hbm_bytes(*a),
           "`attention_hbm_bytes`", calls="labkit.attention.flash.attention_hbm_bytes"),
