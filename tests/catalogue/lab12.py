@@ -362,6 +362,8 @@ WRONG = [
     Wrong("perplexity", "subtracts the logsumexp in place",
           lambda logits, ids: perplexity_log_softmax(logits.sub_(logits.logsumexp(-1, keepdim=True)), ids),
           "changed the logits"),
+    Wrong("perplexity", "returns a 0-d tensor", lambda *a: torch.tensor(perplexity_log_softmax(*a)),
+          "not a tensor of shape ()"),
     Wrong("perplexity", "no shift", perplexity_no_shift, "no shift"),
     Wrong("perplexity", "shifted the wrong way", perplexity_wrong_shift, "shifted the wrong way"),
     Wrong("perplexity", "exp of the sum", perplexity_sum, "not of the sum"),

@@ -336,8 +336,9 @@ def perplexity(ns):
         if not (torch.equal(given_logits, logits) and torch.equal(given_ids, ids)):
             raise ExerciseFailed("your perplexity changed the logits (or ids) it was given: work on new tensors "
                                  "(x - x.logsumexp(...), not x.sub_(...)); the caller still needs them")
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            got = got.item()
+        if isinstance(got, torch.Tensor):
+            raise ExerciseFailed(f"return the perplexity as a Python float (.item()), not a tensor of shape "
+                                 f"{tuple(got.shape)}")
         if isinstance(got, bool) or not isinstance(got, int | float):
             raise ExerciseFailed(f"return the perplexity as a number, got {type(got).__name__}")
         want = perplexity_from_logits(logits, ids)
