@@ -28,7 +28,9 @@ def load_transformers_model(name_or_path="smollm2", with_tokenizer: bool = False
         raise ValueError(f"the transformers oracle reads GGUF files; {path} is not one")
     tokenizer = None
     with (mock.patch("gguf.GGUFReader", functools.cache(gguf.GGUFReader)),
-          mock.patch("gguf.get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))):
+          mock.patch("gguf.get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
+          # no progress bar: a notebook cell would keep it in its stored output
+          mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items)):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         with no_init_weights():  # every weight comes from the file
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
