@@ -34,6 +34,9 @@ def chat_request(ns):
             json.dumps(body)
         except (TypeError, ValueError):
             raise ExerciseFailed(f"{args}: the body must be plain JSON (dicts, lists, strings, numbers)") from None
+        if top_k is None and "top_k" in body:
+            raise ExerciseFailed(f"{args}: leave top_k out of the body when it is None (an OpenAI server that does "
+                                 "not know the field rejects it, even as null)")
         if "extra_body" in body:
             raise ExerciseFailed(f"{args}: extra_body is the openai client's argument; on the wire its fields "
                                  "(top_k) are top-level fields of the body")
@@ -240,6 +243,9 @@ def poisson_arrivals(ns):
         if times.shape != (n,):
             raise ExerciseFailed(f"{where} must return {n} arrival times, got shape {times.shape}")
         gaps = np.diff(np.concatenate([[0.0], times]))
+        if times[0] == 0:
+            raise ExerciseFailed(f"{where}: the first request arrived at 0; it arrives one exponential gap after the "
+                                 "start (the running sum of the gaps, with no 0 prepended)")
         if (gaps < 0).any():
             raise ExerciseFailed(f"{where}: arrival times must not decrease; they are the running sum of the gaps "
                                  "between arrivals (np.cumsum)")
