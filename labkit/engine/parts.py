@@ -39,7 +39,7 @@ from labkit.cache.block_manager import BlockManager
 from labkit.engine.model_runner import ModelRunner, StepInputs
 from labkit.engine.scheduler import Scheduler, SchedulerOutput
 from labkit.engine.sequence import Sequence
-from labkit.sampling import Sampler, SamplingMetadata
+from labkit.sampling import Sampler, SamplingMetadata, SamplingParams
 from labkit.sampling.filters import apply_min_p, apply_temperature, apply_top_k, apply_top_p
 
 
@@ -418,3 +418,37 @@ class PartsSampler(Sampler):
                 raise PartError(part, "removed every token of a row: the most likely one must stay")
             result[rows] = filtered.to(result.dtype)
         return result
+
+
+# --- Lab 11's capstone: the workload its check runs with a student's parts ----------------------
+CAPSTONE_ENGINE = {"block_size": 8, "num_kvcache_blocks": 7, "max_num_batched_tokens": 32, "max_num_seqs": 3,
+                   "max_model_len": 64}
+COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # 38 tokens: longer than a step's token budget
+STORY = "Once upon a time, in a small village at the edge of a forest,"
+COLORS = "red, orange, yellow, green, blue, indigo, violet, black, white, grey, brown, pink, gold, silver, cyan, teal,"
+CAPSTONE_BATCHES = [  # (prompt, priority) or (prompt, priority, max_tokens); 4 tokens by default
+    # More requests than seats, three priorities, a prompt that must be chunked, a head of the queue
+    # that does not fit while a later request would, and decodes that run out of blocks (preemption).
+    [("The three primary colors are", 0), (COUNT, 0), ("The capital of France is", 1), (STORY, 1),
+     ("Water boils at", 2)],
+    # After the first batch every free block is cached: a prompt that reuses cached blocks, and new
+    # prompts whose blocks are taken by evicting among several cached candidates (least recent first).
+    [(COUNT, 0), ("A recipe for bread needs flour,", 1), (STORY + " there lived", 0),
+     ("Two plus two is", 0)],
+    # STORY is exactly two blocks, both cached by the second batch: only the first may hit, since the
+    # last prompt token is always computed. COLORS does not fit beside the other two; it is admitted
+    # when STORY finishes, while the longer request (8 tokens) still decodes, so its chunk is the
+    # budget that decode leaves.
+    [(STORY, 2), ("The sky is", 1, 8), (COLORS, 0)],
+]
+
+
+def capstone_requests(batch: list[tuple]) -> tuple[list[str], list[SamplingParams], list[int]]:
+    """A capstone batch as `generate`'s prompts, sampling params and priorities: greedy and seeded
+    requests in turn (the seeded ones hot and narrow, so a filter that keeps one token too many or
+    too few changes a draw)."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.5, top_k=3, top_p=0.7, seed=7, max_tokens=4, ignore_eos=True)
+    params = [dataclasses.replace((greedy, seeded)[i % 2], max_tokens=(*entry[2:], 4)[0])
+              for i, entry in enumerate(batch)]
+    return [entry[0] for entry in batch], params, [entry[1] for entry in batch]

@@ -109,25 +109,29 @@ def stream_by_suffix(pieces, stop, include):
 
 
 # --- abort_request --------------------------------------------------------------------------------
-def release_blocks(block_table, hash_to_block, blocks, free_uncached, free_cached, *, tail_first=True, shared=True):
+def release_blocks(block_table, hash_to_block, blocks, free_uncached, free_cached, *, tail_first=True, shared=True,
+                   owner_check=True, clear=True):
     """Lab 09's release, as the student pastes it (with the wrong turns some take)."""
     for block_id in reversed(block_table) if tail_first else list(block_table):
         block = blocks[block_id]
         block.ref_count = block.ref_count - 1 if shared else 0
         if block.ref_count > 0:
             continue
-        if block.hash is not None and hash_to_block.get(block.hash) == block_id:
+        if block.hash is not None and (hash_to_block.get(block.hash) == block_id or not owner_check):
             free_cached[block_id] = None
         else:
-            block.hash = block.token_ids = None
+            if clear:
+                block.hash = block.token_ids = None
             free_uncached.append(block_id)
 
 
 def abort(request_id, waiting, running, blocks, hash_to_block, free_uncached, free_cached, *, search_waiting=True,
           leave_running=False, raise_unknown=True, only_first_sample=False, clear_table=True, count_table=False,
-          reason="abort", **release):
+          reason="abort", queue_order=None, **release):
     queues = (waiting, running) if search_waiting else (running,)
-    samples = sorted((s for queue in queues for s in queue if s.request_id == request_id), key=lambda s: s.index)
+    samples = [s for queue in (queue_order or queues) for s in queue if s.request_id == request_id]
+    if queue_order is None:
+        samples.sort(key=lambda s: s.index)
     if not samples and raise_unknown:
         raise ValueError(f"no unfinished request with id {request_id!r}")
     for queue in queues if not leave_running else (waiting,):
@@ -184,15 +188,17 @@ def top_p(logits, p):
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
 
 
-def prefix(token_ids, block_size, hash_to_block, blocks):
+def prefix(token_ids, block_size, hash_to_block, blocks, *, whole=False, skip_miss=False, token_check=True):
     from labkit.cache.block_manager import hash_block
 
     hits, prev = [], None
-    for i in range((len(token_ids) - 1) // block_size):
+    for i in range(len(token_ids) // block_size if whole else (len(token_ids) - 1) // block_size):
         chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
         prev = hash_block(prev, chunk)
         block_id = hash_to_block.get(prev)
-        if block_id is None or blocks[block_id].token_ids != chunk:
+        if block_id is None or (token_check and blocks[block_id].token_ids != chunk):
+            if skip_miss:
+                continue
             break
         hits.append(block_id)
     return hits
@@ -236,6 +242,17 @@ def top_p_without_crossing(logits, p):
     remove = s.softmax(-1).cumsum(-1) > p
     remove[..., 0] = False
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+def schedule_uncharged(running, waiting, token_budget, max_num_seqs, free_blocks):
+    """Plans the running decodes but leaves their tokens in the budget the prompts are chunked to."""
+    plan, budget = [(r, 1) for r in running], token_budget
+    for req in sorted(waiting, key=lambda r: (-r.priority, r.arrival)):
+        if budget == 0 or len(plan) >= max_num_seqs or req.blocks > free_blocks:
+            break
+        plan.append((req.id, min(req.prompt_len, budget)))
+        budget, free_blocks = budget - plan[-1][1], free_blocks - req.blocks
+    return plan
 
 
 def take_most_recent(free_uncached, free_cached, hash_to_block, blocks):
@@ -288,6 +305,14 @@ WRONG_CAPSTONE = [
     ("keeps the evicted block's hash", dict(take_free_block=take_keeping_hash), "a stale entry"),
     ("cu_seqlens_k counts only new tokens", dict(prepare_step=lambda *a: step(*a, k_counts_new_only=True)),
      "counts only the new tokens, so no sequence ever reaches its end"),
+    ("running decodes not charged to the budget", dict(schedule_step=schedule_uncharged),
+     "more than the budget of 32"),
+    ("a whole block-aligned prompt can hit", dict(cached_prefix_blocks=partial(prefix, whole=True)),
+     "the block holding the last prompt token never hits"),
+    ("continues past a miss", dict(cached_prefix_blocks=partial(prefix, skip_miss=True)),
+     "break at the first miss, do not continue"),
+    ("no token check on a hit", dict(cached_prefix_blocks=partial(prefix, token_check=False)),
+     "a hash collision"),
 ]
 
 
@@ -355,6 +380,16 @@ WRONG = [
           "not the table entries"),
     Wrong("abort_request", "finish reason 'aborted'", lambda *a: abort(*a, reason="aborted"),
           "finish_reason 'abort'"),
+    Wrong("abort_request", "samples in queue order, waiting first",
+          lambda r, w, run, *a: abort(r, w, run, *a, queue_order=(w, run)),
+          "return every aborted sample in index order"),
+    Wrong("abort_request", "samples in queue order, running first",
+          lambda r, w, run, *a: abort(r, w, run, *a, queue_order=(run, w)),
+          "return every aborted sample in index order"),
+    Wrong("abort_request", "release caches a duplicate block", lambda *a: abort(*a, owner_check=False),
+          "a duplicate is cleared and freed uncached"),
+    Wrong("abort_request", "release keeps a freed block's hash", lambda *a: abort(*a, clear=False),
+          "still holding its hash and tokens"),
     Wrong("abort_request", "calls the scheduler's abort", abort_with_labkit, "`abort` is labkit's answer",
           calls="labkit.engine.scheduler.Scheduler.abort"),
     *[Wrong("CapstoneParts", name, parts(**replaced), feedback) for name, replaced, feedback in WRONG_CAPSTONE],

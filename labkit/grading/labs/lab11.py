@@ -250,11 +250,13 @@ def _diagnose_stop(got, want, pieces, stop, include) -> str:
 UNKNOWN_REQUEST = 999
 
 
-def abort_scene():
+def abort_scene(preempt: bool = False):
     """A real scheduler mid-run, blocks of 8 tokens: request A runs as three samples sharing its
     prompt's blocks, B hit A's first two blocks in the prefix cache, C is halfway through a chunked
-    prefill, D waits, E has finished. Returns (scheduler, {name: request id})."""
-    from labkit.engine import Scheduler, SchedulerConfig, Sequence
+    prefill, F computed C's first block in the same steps, so C's copy of it is a duplicate the hash
+    table does not point at, D waits, E has finished. With `preempt`, A's sample 1 was preempted back
+    to the waiting queue. Returns (scheduler, {name: request id})."""
+    from labkit.engine import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
     from labkit.engine.sequence import FinishReason
     from labkit.sampling import SamplingParams
 
@@ -263,15 +265,16 @@ def abort_scene():
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     system = list(range(500, 517))  # two full blocks and one token
     a, e = Sequence(system + [1, 2, 3], params), Sequence([800, 801, 802], SamplingParams(max_tokens=1))
-    b, c, d = Sequence(system + [7] * 6, params), Sequence(list(range(600, 660)), params), Sequence([9] * 20, params)
+    b, f = Sequence(system + [7] * 6, params), Sequence(list(range(600, 608)) + [1, 2], params)
+    c, d = Sequence(list(range(600, 660)), params), Sequence([9] * 20, params)
     token = 1000
-    for step, arrivals in enumerate([[a, e], [b, c], []]):
+    for step, arrivals in enumerate([[a, e], [b, f, c], []]):
         for seq in arrivals:
             scheduler.add(seq)
         out = scheduler.schedule()
         if step == 0:  # A's first token is drawn: it becomes three samples sharing its blocks
             for index in (1, 2):
-                child = a.fork(100 + index, params, index)
+                child = a.fork(next(Sequence._ids), params, index)  # an id no other sequence has
                 scheduler.fork(a, child)
                 a.group.append(child)
                 out.seqs.append(child)
@@ -286,7 +289,11 @@ def abort_scene():
     scheduler.add(d)
     for seq in scheduler.running:  # what deallocate does first: hash the computed full blocks
         scheduler.block_manager.cache_computed_blocks(seq)
-    return scheduler, {name: seq.request_id for name, seq in zip("ABCDE", (a, b, c, d, e), strict=True)}
+    if preempt:
+        sample = a.group[1]
+        scheduler.running.remove(sample)
+        scheduler._preempt(sample, SchedulerOutput())
+    return scheduler, {name: seq.request_id for name, seq in zip("ABCDEF", (a, b, c, d, e, f), strict=True)}
 
 
 def _view(scheduler):
@@ -319,7 +326,7 @@ def _pool(view):
             list(free_cached))
 
 
-ABORT_CASES = ["A", "B", "C", "D", "E", "unknown", "AA", "BAC", "DC"]
+ABORT_CASES = ["A", "B", "C", "D", "E", "F", "P", "unknown", "AA", "BAC", "DC", "FC"]
 
 
 @exercise("11", "abort_request", forbidden=("labkit.engine.scheduler.Scheduler.abort", "labkit.engine.llm.LLM.abort",
@@ -329,7 +336,8 @@ ABORT_CASES = ["A", "B", "C", "D", "E", "unknown", "AA", "BAC", "DC"]
 def abort_request(ns):
     fn = require(ns, "abort_request")
     for case in ABORT_CASES:
-        scheduler, ids = abort_scene()
+        scheduler, ids = abort_scene(preempt="P" in case)
+        ids["P"] = ids["A"]
         view = _view(scheduler)
         names = [case] if case == "unknown" else list(case)
         for name in names:
@@ -366,7 +374,10 @@ def abort_request(ns):
 def _where_abort(name, request_id, scheduler, case) -> str:
     what = {"A": "request A (three running samples sharing their prompt's blocks, two of them also hit by B)",
             "B": "request B (running; its first two blocks are A's, hit in the prefix cache)",
-            "C": "request C (running, halfway through a chunked prefill)", "D": "request D (waiting, no blocks yet)",
+            "C": "request C (running, halfway through a chunked prefill; its first block duplicates F's, which the "
+                 "hash table points at)", "D": "request D (waiting, no blocks yet)",
+            "F": "request F (running; its first block is in the hash table, C holds an equal copy)",
+            "P": "request A after its sample 1 was preempted back to the waiting queue (samples 0 and 2 run)",
             "E": "request E (already finished)", "unknown": f"an unknown request id ({UNKNOWN_REQUEST})"}[name]
     again = " a second time" if case == "AA" and name == "A" and not any(
         s.request_id == request_id for s in scheduler.running) else ""
@@ -410,6 +421,17 @@ def _compare_abort(got, want, view, scheduler, where):
         raise _failure("a sample's blocks were not released: call release_blocks on every sample's table (siblings "
                        "share the prompt's blocks; each holds one reference)", where)
     if pool[2:] != want_view[2:]:
+        for block_id in set(pool[5]) - set(want_view[5]):
+            owner = pool[3].get(pool[2][block_id][1])
+            if owner is not None and owner != block_id:
+                raise _failure(f"block {block_id} went to the cached free list, but hash_to_block maps its hash to "
+                               f"block {owner} (an equal block computed elsewhere first): a block stays cached only "
+                               f"if hash_to_block.get(block.hash) == its id; a duplicate is cleared and freed "
+                               f"uncached", where)
+        kept = [b for b in pool[4] if pool[2][b][1:] != (None, None)]
+        if kept:
+            raise _failure(f"block {kept[0]} went to the uncached free list still holding its hash and tokens: clear "
+                           f"block.hash and block.token_ids there, so nothing takes it for cached content", where)
         if sorted(pool[4]) == sorted(want_view[4]) and sorted(pool[5]) == sorted(want_view[5]):
             raise _failure(f"free lists in another order than labkit's ({pool[4]} uncached, {pool[5]} cached; "
                            f"expected {want_view[4]}, {want_view[5]}): release the samples in index order, each "
@@ -432,23 +454,9 @@ def _failure(message, where) -> ExerciseFailed:
 
 
 # --- capstone: labkit's engine with the student's parts -----------------------------------------
-# One small engine, two batches. Every part meets the cases its lesson is about, and the shadows
-# below compare each of its answers with labkit's on the trusted side.
-CAPSTONE_ENGINE = {"block_size": 8, "num_kvcache_blocks": 7, "max_num_batched_tokens": 32, "max_num_seqs": 3,
-                   "max_model_len": 64}
-COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # 38 tokens: longer than a step's token budget
-STORY = "Once upon a time, in a small village at the edge of a forest,"
-CAPSTONE_BATCHES = [
-    # More requests than seats, three priorities, a prompt that must be chunked, a head of the queue
-    # that does not fit while a later request would, and decodes that run out of blocks (preemption).
-    [("The three primary colors are", 0), (COUNT, 0), ("The capital of France is", 1), (STORY, 1),
-     ("Water boils at", 2)],
-    # After the first batch every free block is cached: a prompt that reuses cached blocks, and new
-    # prompts whose blocks are taken by evicting among several cached candidates (least recent first).
-    [(COUNT, 0), ("A recipe for bread needs flour,", 1), (STORY + " there lived", 0),
-     ("Two plus two is", 0)],
-]
-
+# labkit.engine.parts' CAPSTONE_ENGINE and CAPSTONE_BATCHES: one small engine, three batches, in which
+# every part meets the cases its lesson is about; the shadows below compare each of its answers with
+# labkit's on the trusted side.
 
 @functools.cache
 def smollm2_cpu():
@@ -459,21 +467,12 @@ def smollm2_cpu():
     return load_model("smollm2", device="cpu"), load_tokenizer("smollm2")
 
 
-def _capstone_params():
-    from labkit.sampling import SamplingParams
-
-    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    # Hot and narrow, so a filter that keeps one token too many (or too few) changes a draw.
-    seeded = SamplingParams(temperature=1.5, top_k=3, top_p=0.7, seed=7, max_tokens=4, ignore_eos=True)
-    return greedy, seeded
-
-
 def _run_engine(parts):
     """Each batch's tokens, the schedule of every step, and the preemptions; a part's error as a string."""
     import warnings
 
     from labkit.engine import LLM, FinishReason
-    from labkit.engine.parts import PartError
+    from labkit.engine.parts import CAPSTONE_BATCHES, CAPSTONE_ENGINE, PartError, capstone_requests
 
     model, tokenizer = smollm2_cpu()
     llm = LLM(model, tokenizer=tokenizer, parts=parts, **CAPSTONE_ENGINE)
@@ -487,15 +486,13 @@ def _run_engine(parts):
     llm.scheduler.schedule = traced
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    greedy, seeded = _capstone_params()
     tokens = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             for batch in CAPSTONE_BATCHES:
-                prompts, priorities = zip(*batch, strict=True)
-                params = [(greedy, seeded)[i % 2] for i in range(len(prompts))]
-                outputs = llm.generate(list(prompts), params, priority=list(priorities))
+                prompts, params, priorities = capstone_requests(batch)
+                outputs = llm.generate(prompts, params, priority=priorities)
                 for out in outputs:
                     if out.outputs[0].finish_reason is FinishReason.ERROR:
                         return str(out.outputs[0].stop_reason)
@@ -545,6 +542,8 @@ def capstone(ns):
     expected = _reference_run()
     shadows = {name: _Shadow(name, part) for name, part in student.items()}
     got = _run_engine(EngineParts(**shadows))
+    if not isinstance(got, str):
+        _probe_prefix_lookups(shadows["cached_prefix_blocks"])
     first = min((shadow for shadow in shadows.values() if shadow.mismatch), key=lambda sh: sh.mismatch_at, default=None)
     if first is not None:  # the first wrong answer is the cause; what the engine did next, its consequence
         raise ExerciseFailed(first.mismatch + (f"; the engine then stopped: {got}" if isinstance(got, str) else ""))
@@ -554,6 +553,41 @@ def capstone(ns):
         raise ExerciseFailed(_difference(got, expected))
     return (f"labkit's engine with your seven parts gives labkit's tokens and schedule on SmolLM2 for "
             f"{len(expected[0])} prompts, greedy and seeded, through {expected[2]} preemption(s)")
+
+
+def prefix_probes():
+    """Two prefix lookups the engine never reaches (labkit's LRU frees a table tail first, and its
+    128-bit hashes do not collide), built by hand over four cached blocks of 4 tokens: one with a
+    hole (the second block evicted, the third and fourth still cached), one whose hash table points
+    the second block's hash at a block holding other tokens (a collision)."""
+    from labkit.cache.block_manager import hash_block
+
+    block_size, token_ids = 4, list(range(100, 117))  # four full blocks and a last token
+    blocks, hash_to_block, prev = [Block(i) for i in range(6)], {}, None
+    for i, block_id in enumerate((3, 0, 5, 1)):
+        chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        prev = hash_block(prev, chunk)
+        blocks[block_id].hash, blocks[block_id].token_ids = prev, chunk
+        hash_to_block[prev] = block_id
+    hole = [Block(b.block_id, 0, b.hash, b.token_ids) for b in blocks]
+    hole_table = {h: b for h, b in hash_to_block.items() if b != 0}
+    hole[0].hash = hole[0].token_ids = None
+    collision = [Block(b.block_id, 0, b.hash, b.token_ids) for b in blocks]
+    collision[0].token_ids = (7, 7, 7, 7)
+    return [(list(token_ids), block_size, hole_table, hole), (list(token_ids), block_size, dict(hash_to_block),
+                                                              collision)]
+
+
+def _probe_prefix_lookups(shadow):
+    """Ask the student's lookup (through its shadow, which compares) on prefix_probes' states."""
+    for args in prefix_probes():
+        try:
+            shadow(*args)
+        except (NotImplementedError, ExerciseFailed):
+            raise
+        except Exception as error:
+            raise ExerciseFailed(f"your `cached_prefix_blocks` raised {raised_type(error)}: {error} [the call: "
+                                 f"{_describe_args(args)}]") from None
 
 
 class _Shadow:
@@ -595,6 +629,29 @@ def _named_mistake(name, given, result, want, args) -> str | None:
         from labkit.grading.labs.lab10 import _diagnose
 
         return re.split(r"[.:] running=", _diagnose(tuple(given), result, want))[0]
+    if name == "cached_prefix_blocks" and isinstance(result, list):
+        token_ids, block_size, hash_to_block, blocks = given
+        limit = (len(token_ids) - 1) // block_size
+        if len(result) > limit:
+            return f"{len(result)} hits for a prompt of {len(token_ids)} tokens in blocks of {block_size}: the " \
+                   f"block holding the last prompt token never hits (the model must compute at least that token " \
+                   f"to get its logits), so look up only range((len(token_ids) - 1) // block_size), here {limit}"
+        from labkit.cache.block_manager import hash_block
+
+        chunks, prev, found = [tuple(token_ids[i * block_size:(i + 1) * block_size]) for i in range(limit)], None, {}
+        for chunk in chunks:  # where the chain of the prompt's hashes leads in the table
+            prev = hash_block(prev, chunk)
+            found.setdefault(hash_to_block.get(prev), chunk)
+        for block_id in result:
+            chunk = found.get(block_id)
+            if chunk is not None and blocks[block_id].token_ids != chunk:
+                return f"answered {result}, but block {block_id} holds tokens {blocks[block_id].token_ids}, not the " \
+                       f"prompt's {chunk}: hash_to_block pointed at it (a hash collision), and only the token check " \
+                       f"blocks[b].token_ids == the prompt's tokens makes it a hit"
+        if isinstance(want, list) and len(result) > len(want) and result[:len(want)] == want:
+            return f"answered {result}, but the prompt's block {len(want)} is not cached, so the hits stop there " \
+                   f"({want}): a later block that hits is no use after a hole, since the prefix before it must be " \
+                   f"computed anyway (break at the first miss, do not continue)"
     if name == "take_free_block":
         free_uncached, free_cached, hash_to_block, blocks = args
         cached = list(given[1])
@@ -670,7 +727,9 @@ def _difference(got, expected) -> str:
             return f"step {step + 1} runs (request, tokens) {mine}; labkit's runs {theirs}"
     for i, (mine, theirs) in enumerate(zip(tokens, want_tokens, strict=True)):
         if mine != theirs:
-            prompt = [p for batch in CAPSTONE_BATCHES for p, _ in batch][i]
+            from labkit.engine.parts import CAPSTONE_BATCHES
+
+            prompt = [entry[0] for batch in CAPSTONE_BATCHES for entry in batch][i]
             return f"prompt {i} ({prompt!r}) generates {mine}, labkit's engine {theirs}"
     return f"the run takes {len(trace)} steps, labkit's {len(want_trace)}"
 
