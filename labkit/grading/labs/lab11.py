@@ -581,13 +581,17 @@ def prefix_probes():
 def _probe_prefix_lookups(shadow):
     """Ask the student's lookup (through its shadow, which compares) on prefix_probes' states."""
     for args in prefix_probes():
+        earlier = shadow.mismatch
         try:
             shadow(*args)
         except (NotImplementedError, ExerciseFailed):
             raise
         except Exception as error:
-            raise ExerciseFailed(f"your `cached_prefix_blocks` raised {raised_type(error)}: {error} [the call: "
-                                 f"{_describe_args(args)}]") from None
+            raise ExerciseFailed(f"your `cached_prefix_blocks` raised {raised_type(error)}: {error} on a lookup "
+                                 f"built by hand [the call: {_describe_args(args)}]") from None
+        if earlier is None and shadow.mismatch is not None:
+            shadow.mismatch = shadow.mismatch.replace("answered the engine differently", "answered a lookup built "
+                                                      "by hand (a state the engine never reaches) differently")
 
 
 class _Shadow:
