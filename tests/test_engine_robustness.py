@@ -6,6 +6,7 @@ this fast; the oracle is the same engine run without interference: greedy output
 """
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -207,10 +208,11 @@ def test_ctrl_c_during_a_step_takes_effect_when_the_step_is_done(tiny, monkeypat
     import signal
 
     llm = engine(tiny)
-    take = llm.scheduler._take
+    take, sent = llm.scheduler._take, []
 
     def interrupted(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)  # raised at the next bytecode, between the two queues
+        if not sent:  # one Ctrl-C, raised at the next bytecode: between the two queues
+            sent.append(os.kill(os.getpid(), signal.SIGINT))
         return take(*args, **kwargs)
 
     ids = [llm.add_request(prompt(i), greedy(1)) for i in range(2)]
@@ -224,6 +226,25 @@ def test_ctrl_c_during_a_step_takes_effect_when_the_step_is_done(tiny, monkeypat
     assert [o.outputs[0].token_ids for o in sorted(outputs, key=lambda o: o.request_id)] == \
         alone(tiny, [prompt(0), prompt(1)], [greedy(1)] * 2)
     assert_no_leak(llm)
+
+
+def test_a_second_ctrl_c_stops_a_step_that_never_ends(tiny, monkeypatch):
+    import os
+    import signal
+
+    llm = engine(tiny)
+
+    def endless(*args, **kwargs):  # a part stuck in a loop: the first Ctrl-C waits for a step that never ends
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        while True:
+            time.sleep(0.01)
+
+    llm.add_request(prompt(0), greedy(1))
+    monkeypatch.setattr(llm.runner, "forward", endless)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # --- inputs -----------------------------------------------------------------------------------

@@ -4,8 +4,10 @@ A step moves sequences between queues, block lists and output tables one assignm
 An exception the step raises itself is handled where it is raised, but a KeyboardInterrupt can
 land between any two bytecodes: a sequence then sits in no queue, or a block in no free list.
 `deferred_interrupts` holds SIGINT back until the step is done and raises it then, so Ctrl-C in a
-notebook stops `generate` after the current step, with the engine whole. Only the main thread
-receives signals; elsewhere (the server's engine thread) it changes nothing.
+notebook stops `generate` after the current step, with the engine whole. A second Ctrl-C during
+the same step is not held back: a step that never ends (a student's part in an endless loop) can
+still be stopped, at the price of the engine's state. Only the main thread receives signals;
+elsewhere (the server's engine thread) it changes nothing.
 """
 
 import signal
@@ -21,7 +23,13 @@ def deferred_interrupts(undo=lambda: None):
         yield
         return
     received = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+
+    def hold_back(number, frame):
+        if received:  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        received.append(number)
+
+    previous = signal.signal(signal.SIGINT, hold_back)
     try:
         yield
     finally:
