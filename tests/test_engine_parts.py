@@ -14,6 +14,7 @@ import torch
 
 from labkit.cache.block_manager import hash_block
 from labkit.engine import LLM, FinishReason
+from labkit.engine.components import EngineComponents
 from labkit.engine.parts import EngineParts, PartError
 from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model
 from labkit.sampling import SamplingParams
@@ -109,9 +110,12 @@ def small():
     return random_model(config, seed=1), placeholder_tokenizer(512)
 
 
-def run(model_and_tokenizer, prompts=PROMPTS, params=GREEDY, **kwargs):
+def run(model_and_tokenizer, prompts=PROMPTS, params=GREEDY, parts=None, **kwargs):
+    """Generate with labkit's own components, or with the adapters asking `parts`."""
     model, tokenizer = model_and_tokenizer
     kwargs = {"block_size": 8, "num_kvcache_blocks": 12, "max_num_batched_tokens": 32, "max_model_len": 96} | kwargs
+    if parts is not None:
+        kwargs["components"] = parts.components()
     llm = LLM(model, tokenizer=tokenizer, **kwargs)
     outputs = llm.generate(prompts, params)
     assert_no_leak(llm)
@@ -129,7 +133,7 @@ def assert_no_leak(llm):
 @pytest.mark.parametrize("parts", [EngineParts(), PLAIN], ids=["labkit-defaults", "plain-python"])
 def test_parts_give_the_unmodified_engines_tokens(small, parts, params):
     expected, reference = run(small, params=params)
-    got, llm = run(small, params=params, parts=parts)
+    got, llm = run(small, params=params, components=parts.components())
     assert reference.metrics.num_preemptions > 0 and reference.block_manager.stats.hit_tokens > 0  # both paths ran
     assert got == expected
     assert llm.metrics.num_preemptions == reference.metrics.num_preemptions
@@ -139,8 +143,10 @@ def test_parts_give_the_unmodified_engines_tokens(small, parts, params):
 def test_parts_must_be_callables_in_an_engine_parts(small):
     with pytest.raises(TypeError, match="engine part `prepare_step` must be callable"):
         EngineParts(prepare_step=None)
-    with pytest.raises(TypeError, match="parts must be an EngineParts"):
-        LLM(small[0], tokenizer=small[1], parts={"prepare_step": plain_prepare})
+    with pytest.raises(TypeError, match="components must be an EngineComponents"):
+        LLM(small[0], tokenizer=small[1], components=EngineParts())  # its .components() is the hook
+    with pytest.raises(TypeError, match="EngineComponents.scheduler must be a class or callable"):
+        EngineComponents(scheduler="Scheduler")
 
 
 def test_off_by_one_slot_mapping_changes_the_tokens(small):
@@ -182,7 +188,7 @@ def test_a_filter_keeping_one_token_too_many_changes_sampled_tokens(small):
 def test_a_wrong_part_is_named_and_leaks_nothing(small, name, wrong, message):
     model, tokenizer = small
     llm = LLM(model, tokenizer=tokenizer, block_size=8, num_kvcache_blocks=12, max_num_batched_tokens=32,
-              max_model_len=96, parts=dataclasses.replace(PLAIN, **{name: wrong}))
+              max_model_len=96, components=dataclasses.replace(PLAIN, **{name: wrong}).components())
     assert re.search(f"engine part `{name}`: .*({message})", failure(llm, PROMPTS, SEEDED))
     assert_no_leak(llm)
 
@@ -198,7 +204,8 @@ def test_a_wrong_part_is_named_and_leaks_nothing(small, name, wrong, message):
 def test_a_part_that_stalls_the_engine_is_named(small, name, wrong, message):
     model, tokenizer = small
     llm = LLM(model, tokenizer=tokenizer, block_size=8, num_kvcache_blocks=12, max_num_batched_tokens=8,
-              max_model_len=96, enable_prefix_caching=False, parts=dataclasses.replace(PLAIN, **{name: wrong}))
+              max_model_len=96, enable_prefix_caching=False,
+              components=dataclasses.replace(PLAIN, **{name: wrong}).components())
     assert re.search(f"engine part `{name}`: .*({message})", failure(llm, PROMPTS, GREEDY))
     assert_no_leak(llm)
 
@@ -213,7 +220,7 @@ def test_can_append_decides_a_needless_false_preempts(small):
     assert llm.block_manager.needless_preemptions > 0
     model, tokenizer = small
     llm = LLM(model, tokenizer=tokenizer, block_size=8, num_kvcache_blocks=12, max_num_batched_tokens=32,
-              max_model_len=96, parts=dataclasses.replace(PLAIN, can_append=lambda *a: True))
+              max_model_len=96, components=dataclasses.replace(PLAIN, can_append=lambda *a: True).components())
     assert re.search("engine part `can_append`: answered True .* the next token has no KV slot",
                      failure(llm, PROMPTS, GREEDY))
     assert_no_leak(llm)
@@ -252,7 +259,7 @@ def test_a_part_raising_midway_leaves_no_block_or_request_behind(small):
                            (EngineParts(prepare_step=flaky_prepare), "`prepare_step`: raised ValueError")]:
         model, tokenizer = small
         llm = LLM(model, tokenizer=tokenizer, block_size=8, num_kvcache_blocks=12, max_num_batched_tokens=32,
-                  max_model_len=96, parts=parts)
+                  max_model_len=96, components=parts.components())
         assert message in failure(llm, PROMPTS, GREEDY)
         assert_no_leak(llm)
 

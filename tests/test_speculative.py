@@ -165,7 +165,7 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="unquantized KV cache"):
         tiny_engine(speculative=SpeculativeConfig("ngram"), kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="not both"):
-        tiny_engine(speculative=SpeculativeConfig("ngram"), parts=EngineParts())
+        tiny_engine(speculative=SpeculativeConfig("ngram"), components=EngineParts().components())
     small_vocab = type(model)(type(model.config)(**{**model.config.__dict__, "vocab_size": 100}))
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_engine(speculative=SpeculativeConfig("draft_model", draft_model=small_vocab))

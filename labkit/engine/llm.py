@@ -17,31 +17,27 @@ the stop rules and releases what finished.
 """
 
 import dataclasses
-import functools
 import itertools
 import numbers
 import sys
 import time
 import warnings
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from labkit.attention.paged import PagedAttentionBackend, resolve_backend
-from labkit.cache.block_manager import BlockManager
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.device import pick_device
 from labkit.engine.beam_search import EngineBeamSearch
+from labkit.engine.components import EngineComponents
 from labkit.engine.cuda_graph import capture_sizes
 from labkit.engine.interrupts import deferred_interrupts
 from labkit.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, num_blocks_for_memory, profile_cuda_memory
 from labkit.engine.metrics import EngineMetrics, RequestMetrics
-from labkit.engine.model_runner import ModelRunner
 from labkit.engine.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
-from labkit.engine.parts import EngineParts, PartsBlockManager, PartsModelRunner, PartsScheduler
-from labkit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from labkit.engine.scheduler import SchedulerConfig, SchedulerOutput
 from labkit.engine.sequence import FinishReason, Sequence
 from labkit.engine.speculative import SpeculativeConfig, SpeculativeDecoder, check_supported
 from labkit.model import DecoderModel, load_model
@@ -62,9 +58,10 @@ class LLM:
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
                  use_cuda_graph: bool = True, kv_cache_dtype: str = "auto", weight_format: str = "dequantized",
-                 speculative: SpeculativeConfig | None = None, parts: EngineParts | None = None):
-        """`parts`: an `EngineParts` (labkit/engine/parts.py) whose functions replace the engine's own
-        sampling filters, prefix lookup, free-block choice, scheduling rule and step preparation.
+                 speculative: SpeculativeConfig | None = None,
+                 components: EngineComponents | None = None):
+        """`components`: an `EngineComponents` (components.py) whose factories build the block manager,
+        scheduler and model runner instead of labkit's own classes.
         `weight_format`: "dequantized", "int8" or "q4_1" (labkit/model/weight_formats.py)."""
         if isinstance(model, DecoderModel):  # already loaded: several engines can share one model
             if tokenizer is None:
@@ -97,7 +94,11 @@ class LLM:
         self.storage = PagedKVStorage(config.num_layers, num_kvcache_blocks, block_size, config.num_kv_heads,
                                       config.head_dim, dtype=self.model.dtype, device=self.device,
                                       kv_cache_dtype=kv_cache_dtype)
-        components = _components(parts)
+        if components is None:
+            components = EngineComponents()
+        elif not isinstance(components, EngineComponents):
+            raise TypeError(f"components must be an EngineComponents (labkit.engine.components), "
+                            f"got {type(components).__name__}")
         self.block_manager = components.block_manager(num_kvcache_blocks, block_size,
                                                       enable_prefix_caching=enable_prefix_caching)
         self.scheduler = components.scheduler(
@@ -115,9 +116,9 @@ class LLM:
         self.runner = components.model_runner(self.model, self.storage, backend, graphs)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
-        if speculative is not None and parts is not None:
-            raise ValueError("speculative decoding runs with labkit's own parts: pass speculative= or parts=, "
-                             "not both")
+        if speculative is not None and components != EngineComponents():
+            raise ValueError("speculative decoding runs with labkit's own block manager, scheduler and model "
+                             "runner: pass speculative= or components=, not both")
         if speculative is not None and self.storage.quant is not None:
             # A rejected draft may have grown its block's scale and re-rounded the codes before it:
             # rolling back the tokens would not roll back the cache.
@@ -557,17 +558,6 @@ class LLM:
 
     def reset_metrics(self) -> None:
         self.metrics = EngineMetrics()
-
-
-def _components(parts):
-    """The block manager, scheduler and model runner classes: labkit's, or adapters asking `parts`."""
-    if parts is None:
-        return SimpleNamespace(block_manager=BlockManager, scheduler=Scheduler, model_runner=ModelRunner)
-    if not isinstance(parts, EngineParts):
-        raise TypeError(f"parts must be an EngineParts (labkit.engine.parts), got {type(parts).__name__}")
-    return SimpleNamespace(block_manager=functools.partial(PartsBlockManager, parts),
-                           scheduler=functools.partial(PartsScheduler, parts),
-                           model_runner=functools.partial(PartsModelRunner, parts))
 
 
 def _capture_decode_graphs(model, backend, sizes, max_blocks, max_model_len):

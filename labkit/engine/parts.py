@@ -2,7 +2,8 @@
 
     from labkit.engine import LLM
     from labkit.engine.parts import EngineParts
-    llm = LLM("smollm2", parts=EngineParts(top_k_filter=my_top_k_filter, prepare_step=my_prepare_step))
+    parts = EngineParts(top_k_filter=my_top_k_filter, prepare_step=my_prepare_step)
+    llm = LLM("smollm2", components=parts.components())
 
 Each part has exactly the signature of the lab exercise that builds it, so the function a student
 wrote in that lab plugs in unchanged:
@@ -18,24 +19,27 @@ wrote in that lab plugs in unchanged:
 | `prepare_step`         | Lab 11 `prepare_step`   | input_ids, positions, cu_seqlens_q/k, slot_mapping, block_tables |
 
 A part left at its default is labkit's own answer to that exercise (`labkit_<part>` below), written
-against the same signature; `LLM(parts=EngineParts())` therefore runs every adapter below with labkit's answers and
-gives the tokens of `LLM()` (the tests check it). The adapters turn the engine's state into each
-exercise's plain arguments, call the part, use its answer (a `can_append` that says False preempts,
-even needlessly), and raise `PartError` naming the part when it raises, answers something the engine
+against the same signature; `LLM(components=EngineParts().components())` therefore runs every adapter
+below with labkit's answers and gives the tokens of `LLM()` (the tests check it). The adapters are the
+block manager, scheduler and model runner that the engine builds through its public hook,
+`EngineComponents` (labkit/engine/components.py). They turn the engine's state into each exercise's
+plain arguments, call the part, use its answer (a `can_append` that says False preempts, even
+needlessly), and raise `PartError` naming the part when it raises, answers something the engine
 cannot use, or leaves the engine without progress (no sequence due a token for longer than any
-chunked prefill takes). Block-manager calls are all or
-nothing: a part that fails halfway leaves the block pool as it was, so aborting the requests (as
-`generate` does on any error) returns every block.
+chunked prefill takes). Block-manager calls are all or nothing: a part that fails halfway leaves the
+block pool as it was, so aborting the requests (as `generate` does on any error) returns every block.
 """
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 
 from labkit.cache.block_manager import BlockManager
+from labkit.engine.components import EngineComponents
 from labkit.engine.model_runner import ModelRunner, StepInputs
 from labkit.engine.scheduler import Scheduler, SchedulerOutput
 from labkit.engine.sequence import Sequence
@@ -143,6 +147,13 @@ class EngineParts:
         for field in dataclasses.fields(self):
             if not callable(getattr(self, field.name)):
                 raise TypeError(f"engine part `{field.name}` must be callable, got {getattr(self, field.name)!r}")
+
+    def components(self) -> EngineComponents:
+        """The engine's block manager, scheduler and model runner, asking these parts: pass it as
+        `LLM(..., components=parts.components())`."""
+        return EngineComponents(block_manager=functools.partial(PartsBlockManager, self),
+                                scheduler=functools.partial(PartsScheduler, self),
+                                model_runner=functools.partial(PartsModelRunner, self))
 
     def call(self, name: str, *args):
         """Call part `name`; anything it raises comes back as a PartError naming it."""

@@ -475,7 +475,8 @@ def _run_engine(parts):
     from labkit.engine.parts import CAPSTONE_BATCHES, CAPSTONE_ENGINE, PartError, capstone_requests
 
     model, tokenizer = smollm2_cpu()
-    llm = LLM(model, tokenizer=tokenizer, parts=parts, **CAPSTONE_ENGINE)
+    llm = LLM(model, tokenizer=tokenizer, components=None if parts is None else parts.components(),
+              **CAPSTONE_ENGINE)
     schedule, trace = llm.scheduler.schedule, []
 
     def traced():

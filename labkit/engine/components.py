@@ -1,0 +1,40 @@
+"""`EngineComponents`: the public hook through which the engine's block manager, scheduler and model
+runner can be replaced.
+
+    LLM("smollm2", components=EngineComponents(scheduler=MyScheduler))
+
+Each field is a factory (a class, or any callable) called as labkit's own class is, and returning
+an object that does what labkit's does (usually a subclass of it that overrides a few methods):
+
+| field           | called as                                                    | labkit's own   |
+| --------------- | ------------------------------------------------------------ | -------------- |
+| `block_manager` | `(num_blocks, block_size, enable_prefix_caching=...)`        | `BlockManager` |
+| `scheduler`     | `(scheduler_config, block_manager, kv_storage)`              | `Scheduler`    |
+| `model_runner`  | `(model, storage, attention_backend, fast_path)`             | `ModelRunner`  |
+
+The course plugs students' functions in this way (its `EngineParts.components()`); the engine
+itself knows nothing of who passes what.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+from labkit.cache.block_manager import BlockManager
+from labkit.engine.model_runner import ModelRunner
+from labkit.engine.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineComponents:
+    """Factories for the engine's block manager, scheduler and model runner; labkit's own by default."""
+
+    block_manager: Callable[..., BlockManager] = BlockManager
+    scheduler: Callable[..., Scheduler] = Scheduler
+    model_runner: Callable[..., ModelRunner] = ModelRunner
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if not callable(getattr(self, field.name)):
+                raise TypeError(f"EngineComponents.{field.name} must be a class or callable that builds the "
+                                f"engine's {field.name}, got {getattr(self, field.name)!r}")
+
