@@ -27,14 +27,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from labkit.attention.cpu_decode import decode_attention_kernel  # noqa: E402
+from labkit import kernels  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
-from labkit.model import load_config, packed_bf16, packed_f32  # noqa: E402
+from labkit.kernels import gemm  # noqa: E402
+from labkit.model import load_config  # noqa: E402
 from labkit.model.fused_decode import FusedDecoder  # noqa: E402
-from labkit.model.packed_bf16 import PackedBf16Linear  # noqa: E402
-from labkit.model.packed_f32 import PackedF32Linear  # noqa: E402
+from labkit.model.packed_linear import PackedBf16Linear, PackedF32Linear  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
-from labkit.model.weight_formats import PrepackedLinear, cpu_features, linear_kernel, prepacks_bf16  # noqa: E402
+from labkit.model.weight_formats import PrepackedLinear  # noqa: E402
 from labkit.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
 
@@ -113,11 +113,11 @@ def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 15) ->
     for k, n in sorted(shapes):
         x, linear = torch.randn(rows, k, dtype=dtype), torch.nn.Linear(k, n, bias=False, dtype=dtype)
         calls = [linear]
-        if dtype == torch.bfloat16 and prepacks_bf16():
+        if dtype == torch.bfloat16 and gemm.prepacks_bf16():
             calls.append(PrepackedLinear(linear))
-        if dtype == torch.bfloat16 and packed_bf16.kernel() is not None:
+        if dtype == torch.bfloat16 and gemm.load_bf16() is not None:
             calls.append(PackedBf16Linear(linear))
-        if dtype == torch.float32 and packed_f32.serves_this_cpu():
+        if dtype == torch.float32 and gemm.f32_serves_this_cpu():
             calls.append(PackedF32Linear(linear))
         for call in calls:
             call(x)
@@ -207,8 +207,9 @@ def main():
                  for b in hf_batches(len(prompts), args.hf_batch))
     print(f"token positions computed: labkit {useful}, transformers {padded} with padding "
           f"({padded / useful:.2f}x: the ratio to expect if a position cost both the same)")
-    print(f"CPU: {cpu_features()}; linear kernels: fp32 {linear_kernel('dequantized', torch.float32)}, "
-          f"bf16 {linear_kernel('dequantized', torch.bfloat16)}; decode attention: {decode_attention_kernel()}")
+    fp32, bf16 = (kernels.describe("cpu", dtype) for dtype in (torch.float32, torch.bfloat16))
+    print(f"CPU: {fp32.cpu}; linear kernels: fp32 {fp32.linear}, bf16 {bf16.linear}; decode attention: "
+          f"{fp32.attention}; fused step: fp32 {fp32.fused_step}, bf16 {bf16.fused_step}")
     # Twice over, the best kept: the first sweep of a fresh process measured up to 15% low (a core
     # still ramping its clock), which would flatter every fraction of the roofline printed below.
     machine = {dtype: max(gemm_peak(config, dtype) for _ in range(2)) for dtype in (torch.float32, torch.bfloat16)}
@@ -230,10 +231,10 @@ def main():
                                                                         ignore_eos=True))
     speeds = decode_speeds(runs, prompts[0][:32], 64)
     for (fmt, dtype), engine in engines.items():
-        speed, read = speeds[(fmt, dtype)], decode_bytes(engine)
+        speed, read, linear = speeds[(fmt, dtype)], decode_bytes(engine), kernels.describe("cpu", dtype, fmt).linear
         print(f"batch-1 decode labkit {fmt} {str(dtype).removeprefix('torch.')}: {speed:6.1f} tok/s "
               f"({speed / speeds['transformers']:.2f}x transformers fp32; {read / 1e6:.0f} MB read a token, "
-              f"{speed * read / machine['bandwidth']:.0%} of the bandwidth bound; {linear_kernel(fmt, dtype)}; "
+              f"{speed * read / machine['bandwidth']:.0%} of the bandwidth bound; {linear}; "
               f"{'fused C decode step' if isinstance(engine.runner.fast_path, FusedDecoder) else 'eager decode'})")
     print(f"batch-1 decode transformers fp32: {speeds['transformers']:6.1f} tok/s")
 

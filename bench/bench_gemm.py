@@ -1,4 +1,4 @@
-"""The packed fp32 GEMM (labkit/model/gemm_f32.c) against torch's nn.Linear (F.linear) on SmolLM2's linear shapes,
+"""The packed fp32 GEMM (labkit/kernels/gemm_f32.c) against torch's nn.Linear (F.linear) on SmolLM2's linear shapes,
 one thread, GFLOP/s of both measured in the same run (best of several calls each).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_gemm.py [--rows 1 8 32 64 256 2048]
@@ -10,7 +10,8 @@ import time
 import torch
 from torch import nn
 
-from labkit.model.packed_f32 import PackedF32Linear, kernel
+from labkit.kernels import gemm
+from labkit.model.packed_linear import PackedF32Linear
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # (out, in): q/o, k/v, gate/up, down, head
 
@@ -33,7 +34,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 256, 2048])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"kernel: {kernel().name}; GFLOP/s, one thread")
+    print(f"kernel: {gemm.load_f32().name}; GFLOP/s, one thread")
     print(f"{'out x in':>12} {'rows':>5} {'F.linear':>9} {'packed':>8} {'ratio':>6}")
     with torch.inference_mode():
         for out_features, in_features in SHAPES:

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from labkit import kernels
 from labkit.attention import cpu_decode, reference
 from labkit.roofline import measure_read_bandwidth
 
@@ -80,8 +81,8 @@ def main():
         ("prefill over a 256-token cached prefix, 4 x 128 new", [384] * 4, [128] * 4, float32),
         ("mixed: one 256-token prefill + 15 decodes of 512", [256] + [512] * 15, [256] + [1] * 15, float32),
     ]
-    kernel = cpu_decode.decode_attention_kernel()
-    decode_group = cpu_decode.DecodePlan if cpu_decode.kernel() is not None else None
+    kernel = kernels.describe().attention
+    decode_group = cpu_decode.DecodePlan if kernel.startswith("C/") else None
     print(f"decode attention kernel: {kernel}")
     print(f"{'case':<52} | torch gather | engine (decode: {kernel}) | SDPA contiguous | gather/SDPA | gather/engine")
     for name, k_lens, q_lens, dtype in cases:

@@ -44,11 +44,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_engine import decode_speeds, time_it, workload  # noqa: E402
 
+from labkit import kernels  # noqa: E402
 from labkit.cache.kv_cache import KVCache  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
-from labkit.model import int8_dot  # noqa: E402
+from labkit.kernels import int8_dot  # noqa: E402
 from labkit.model.generate import last_token_logits  # noqa: E402
-from labkit.model.weight_formats import WEIGHT_FORMATS, linear_kernel  # noqa: E402
+from labkit.model.weight_formats import WEIGHT_FORMATS  # noqa: E402
 from labkit.registry import resolve_model_path  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
 
@@ -437,7 +438,7 @@ def main():
           f"{single.lib.llama_print_system_info().decode().strip()}")
     for f in formats:
         f_dtype = format_dtype(f, dtype)
-        print(f"labkit {f}: {str(f_dtype).removeprefix('torch.')}, {linear_kernel(f, f_dtype)}")
+        print(f"labkit {f}: {str(f_dtype).removeprefix('torch.')}, {kernels.describe('cpu', f_dtype, f).linear}")
     llms = {f: make_llm(path, f, dtype, args.max_num_seqs, args.max_batch_tokens) for f in formats}
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
@@ -523,7 +524,7 @@ def main():
     if versus_fp32:
         print(f"along the same text, against labkit's {fp32} model of the dequantized weights: " + "; ".join(
             f"{e} {a}" for e, a in versus_fp32.items()))
-    if "q4_1 float32" in engines and int8_dot.available():
+    if "q4_1 float32" in engines and int8_dot.load() is not None:
         worst, layers = stage_differences(path, engines["q4_1 float32"].model, chats[0], args.threads)
         print(f"labkit q4_1 float32, each stage fed llama.cpp's own input to it ({len(chats[0])}-token prompt, "
               f"{layers} layers; largest |difference| from llama.cpp's output, relative to its largest value): "

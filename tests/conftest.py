@@ -24,12 +24,9 @@ if not torch.cuda.is_available():
 def fresh_build(monkeypatch, tmp_path):
     """Every C kernel built afresh, at its next use, into an empty cache directory and with whatever
     the test patched (compiler, CPU target); the loaded kernels are restored afterwards."""
-    from labkit.attention import cpu_decode
-    from labkit.model import fused_decode, int8_dot, packed_bf16, packed_f32
+    from labkit.kernels import decode_attention, fused_decode, gemm, int8_dot
 
-    loaders = (cpu_decode._load, int8_dot._load, packed_f32._load, packed_bf16._load, packed_bf16._build_amx,
-               packed_bf16._build_avx512,
-               fused_decode._load)
+    loaders = (decode_attention.load, int8_dot.load, gemm.load_f32, gemm.load_bf16, fused_decode.load)
     monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
     for load in loaders:
         load.cache_clear()

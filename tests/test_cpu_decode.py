@@ -1,5 +1,6 @@
-"""The C decode kernel (labkit.attention.cpu_decode) against torch's SDPA and the gather path, its
-fallback when there is no compiler, its build cache, and its refusal of bad input."""
+"""The C decode kernel (labkit/kernels/paged_decode.c, through labkit.attention.cpu_decode) against
+torch's SDPA and the gather path, its fallback when there is no compiler, its build cache, and its
+refusal of bad input."""
 
 import os
 import re
@@ -10,17 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import native
+from labkit import kernels
 from labkit.attention import cpu_decode, reference
 from labkit.attention.metadata import AttentionMetadata
 from labkit.attention.paged import PagedAttentionBackend
 from labkit.cache.paged_storage import PagedKVStorage
+from labkit.kernels import build, decode_attention
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    if cpu_decode.kernel() is None:
-        pytest.skip(f"no C kernel here: {cpu_decode.decode_attention_kernel()}")
+    if decode_attention.load() is None:
+        pytest.skip(f"no C kernel here: {decode_attention.load.why_not()}")
 
 
 def sdpa_decode(q, k_cache, v_cache, tables, lens):
@@ -60,8 +62,8 @@ def test_the_narrower_vector_builds_match_sdpa(compiled, monkeypatch, fresh_buil
     AVX-512 build sums 16 at once): the same attention, for every GQA shape and a partial block."""
     if target[0] == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU cannot run an AVX2 build")
-    monkeypatch.setattr(native, "cpu_target", lambda: target)
-    assert cpu_decode.decode_attention_kernel() == f"C/{target[0]}"
+    monkeypatch.setattr(build, "cpu_target", lambda: target)
+    assert decode_attention.load().name == f"C/{target[0]}"
     for dtype in (torch.float32, torch.bfloat16):
         k_lens = [1, 7, 16, 40, 150]
         q, k_cache, v_cache, tables, _, cu_k = reference.random_paged_inputs(
@@ -142,14 +144,14 @@ def test_the_engine_backend_plans_the_kernel_once_per_step(compiled):
 
 
 def test_the_kernel_is_named_for_this_cpu():
-    name = cpu_decode.decode_attention_kernel()
+    name = kernels.describe().attention
     assert re.fullmatch(r"C/(AVX-512 VNNI|AVX-512|AVX2|NEON|generic)|torch gather \(.+\)", name)
-    assert cpu_decode.decode_attention_kernel("cuda") == "torch gather (cuda)"
+    assert kernels.describe("cuda").attention == "torch gather (cuda)"
 
 
 def test_without_a_compiler_attention_falls_back_to_the_gather_and_says_so(monkeypatch, fresh_build):
-    monkeypatch.setattr(native, "find_c_compiler", lambda: None)
-    assert cpu_decode.decode_attention_kernel() == "torch gather (no C compiler)"
+    monkeypatch.setattr(build, "find_c_compiler", lambda: None)
+    assert kernels.describe().attention == "torch gather (no C compiler)"
     storage = PagedKVStorage(num_layers=1, num_blocks=4, block_size=8, num_kv_heads=1, head_dim=16)
     storage.kv.normal_()
     backend = PagedAttentionBackend(storage, "torch")
@@ -160,25 +162,38 @@ def test_without_a_compiler_attention_falls_back_to_the_gather_and_says_so(monke
     out = backend(0, q, q[:, :1], q[:, :1], meta)
     assert isinstance(backend._plan[1].groups[0], reference._PaddedGroup)
     torch.testing.assert_close(out, sdpa_decode(q, *storage.layer(0), tables, meta.context_lens))
-    with pytest.raises(RuntimeError, match="unavailable: torch gather \\(no C compiler\\)"):
+    with pytest.raises(RuntimeError, match="unavailable: no C compiler"):
         cpu_decode.DecodePlan(tables, meta.context_lens, 8)
     assert list(fresh_build.iterdir()) == []
 
 
 def test_a_failing_compiler_falls_back_with_its_reason(monkeypatch, fresh_build):
-    monkeypatch.setattr(native, "find_c_compiler", lambda: "/bin/false")
-    assert cpu_decode.decode_attention_kernel().startswith("torch gather (compiling paged_decode.c failed")
+    monkeypatch.setattr(build, "find_c_compiler", lambda: "/bin/false")
+    assert kernels.describe().attention.startswith("torch gather (compiling paged_decode.c failed")
     assert list(fresh_build.iterdir()) == []  # no half-written library is left behind
 
 
 def test_the_build_is_cached_per_source_and_flags_and_written_whole(compiled, fresh_build):
-    assert cpu_decode.decode_attention_kernel().startswith("C/")
+    assert decode_attention.load().name.startswith("C/")
     (library,) = fresh_build.iterdir()
     assert re.fullmatch(r"paged_decode-[0-9a-f]{16}\.so", library.name)
     stamp = library.stat().st_mtime_ns
-    cpu_decode._load.cache_clear()
-    assert cpu_decode.kernel() is not None and library.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    decode_attention.load.cache_clear()
+    assert decode_attention.load() is not None and library.stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert list(fresh_build.iterdir()) == [library]
+
+
+def test_the_build_is_keyed_by_every_file_the_source_includes(compiled, tmp_path, monkeypatch):
+    """An edited header (simd.h, included by paged_decode.c) builds a new library, never the stale one."""
+    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("paged_decode.c", "simd.h"):
+        (tmp_path / name).write_text((decode_attention.SOURCE.parent / name).read_text())
+    assert build.sources(tmp_path / "paged_decode.c") == [tmp_path / "paged_decode.c", tmp_path / "simd.h"]
+    build.build(tmp_path / "paged_decode.c")
+    with open(tmp_path / "simd.h", "a") as header:
+        header.write("/* edited */\n")
+    build.build(tmp_path / "paged_decode.c")
+    assert len(list((tmp_path / "cache").glob("paged_decode-*.so"))) == 2
 
 
 def test_bad_inputs_raise_clear_errors_before_the_kernel_runs(compiled):
@@ -215,13 +230,13 @@ def test_bad_inputs_raise_clear_errors_before_the_kernel_runs(compiled):
         cpu_decode.DecodePlan(tables, lens[:1], 8)
 
 
-def test_two_processes_building_at_once_leave_one_whole_library(tmp_path):
+def test_two_processes_building_at_once_leave_one_whole_library(compiled, tmp_path):
     """Both compile into the same empty cache; each renames its own temporary file into place, so
     both load a whole library and exactly one file remains."""
-    code = "from labkit.attention import cpu_decode; print(cpu_decode.decode_attention_kernel())"
+    code = "from labkit.kernels import decode_attention; print(decode_attention.load().name)"
     env = {**os.environ, "LABKIT_CACHE_DIR": str(tmp_path)}
-    builds = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-              for _ in range(2)]
-    names = [build.communicate(timeout=120)[0].strip() for build in builds]
-    assert names == [cpu_decode.decode_attention_kernel()] * 2
-    assert len(list(tmp_path.iterdir())) == (1 if names[0].startswith("C/") else 0)
+    processes = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+    names = [process.communicate(timeout=120)[0].strip() for process in processes]
+    assert names == [decode_attention.load().name] * 2
+    assert len(list(tmp_path.iterdir())) == 1

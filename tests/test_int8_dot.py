@@ -1,23 +1,23 @@
-"""The C int8 dot kernel (labkit.model.int8_dot) against its arithmetic written out in torch, its dense
+"""The C int8 dot kernel (labkit.kernels.int8_dot) against its arithmetic written out in torch, its dense
 path for large batches, its fallback when it cannot be built, and its refusal of bad input."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import native
-from labkit.model import int8_dot
-from labkit.model.weight_formats import Int8Linear, Q4Linear, dequantize_q4_1, linear_kernel, quantize_q4_1
+from labkit import kernels
+from labkit.kernels import build, int8_dot
+from labkit.model.weight_formats import Int8Linear, Q4Linear, dequantize_q4_1, quantize_q4_1
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    if not int8_dot.available():
-        pytest.skip(f"no C kernel here: {int8_dot.kernel_name()}")
+    if int8_dot.load() is None:
+        pytest.skip(f"no C kernel here: {int8_dot.load.why_not()}")
 
 
 def built_with_avx() -> bool:
-    return "AVX" in int8_dot.kernel_name()
+    return "AVX" in int8_dot.load().name
 
 
 def quantized_activations(x: torch.Tensor):
@@ -149,9 +149,9 @@ def test_bad_activations_are_refused_by_name(compiled):
 
 
 def test_without_a_compiler_the_formats_keep_torchs_kernels_and_say_why(monkeypatch, fresh_build):
-    monkeypatch.setattr(native, "find_c_compiler", lambda: None)
-    assert not int8_dot.available() and int8_dot.kernel_name() == "no C compiler"
-    kernel = linear_kernel("q4_1", torch.bfloat16)
+    monkeypatch.setattr(build, "find_c_compiler", lambda: None)
+    assert int8_dot.load() is None and int8_dot.load.why_not() == "no C compiler"
+    kernel = kernels.describe(dtype=torch.bfloat16, weight_format="q4_1").linear
     assert "torch int4" in kernel and "no C compiler" in kernel
     codes, d, m = random_q4_1(64, 128)
     layer = Q4Linear(codes, d, m)
@@ -181,8 +181,8 @@ def test_the_other_builds_compute_the_same_arithmetic(compiled, monkeypatch, fre
         pytest.skip("this CPU cannot run an AVX2 build")
     if target[0] == "AVX-512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("this CPU cannot run an AVX-512 build")
-    monkeypatch.setattr(native, "cpu_target", lambda: target)
-    assert int8_dot.kernel_name() == f"C/{'AVX2' if target[0] == 'AVX-512' else target[0]}"
+    monkeypatch.setattr(build, "cpu_target", lambda: target)
+    assert int8_dot.load().name == f"C/{'AVX2' if target[0] == 'AVX-512' else target[0]}"
     codes, d, m = random_q4_1(13, 96)
     x = torch.randn(3, 96)
     assert_matches(int8_dot.pack_q4_1(codes, d, m)(x), q4_1_oracle(x, codes, d, m))

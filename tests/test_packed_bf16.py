@@ -1,6 +1,7 @@
-"""The packed bf16 GEMM (labkit.model.packed_bf16), in each build this CPU runs (AMX, AVX512-BF16),
-against float64 products of the same bf16 numbers; its float32-in/float32-out entry (the fused decode
-step's), its fallback on CPUs with neither extension, and its refusal of bad input."""
+"""The packed bf16 GEMM (labkit/kernels/gemm_bf16.c, through labkit.model.packed_linear), in each
+build this CPU runs (AMX, AVX512-BF16), against float64 products of the same bf16 numbers; its
+float32-in/float32-out entry (the fused decode step's), its fallback on CPUs with neither extension,
+and its refusal of bad input."""
 
 import re
 
@@ -9,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import native
-from labkit.model import packed_bf16
-from labkit.model.packed_bf16 import PackedBf16Linear
-from labkit.model.weight_formats import PrepackedLinear, apply_weight_format, linear_kernel
+from labkit import kernels
+from labkit.kernels import build, gemm
+from labkit.model.packed_linear import PackedBf16Linear
+from labkit.model.weight_formats import PrepackedLinear, apply_weight_format
 
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # (in, out): q/o, k/v, gate/up, down
 
@@ -24,17 +25,17 @@ EXTENSION_FLAGS = {"AMX-BF16": {"amx_tile", "amx_bf16"}, "AVX512-BF16": {"avx512
 def compiled(request):
     """The kernel built for one extension: a CPU with AMX also runs the AVX512-BF16 build, which these
     tests reach by hiding AMX's flags from the loader."""
-    flags = native.x86_flags()
+    flags = build.x86_flags()
     if not EXTENSION_FLAGS[request.param] <= flags:
         pytest.skip(f"this CPU has no {request.param}")
     with pytest.MonkeyPatch.context() as patch:
         if request.param != "AMX-BF16":
-            patch.setattr(native, "x86_flags", lambda: flags - EXTENSION_FLAGS["AMX-BF16"])
-        packed_bf16._load.cache_clear()
-        if packed_bf16.kernel() is None:
-            pytest.skip(f"no packed bf16 GEMM here: {packed_bf16.gemm_kernel()}")
+            patch.setattr(build, "x86_flags", lambda: flags - EXTENSION_FLAGS["AMX-BF16"])
+        gemm.load_bf16.cache_clear()
+        if gemm.load_bf16() is None:
+            pytest.skip(f"no packed bf16 GEMM here: {gemm.load_bf16.why_not()}")
         yield request.param
-    packed_bf16._load.cache_clear()
+    gemm.load_bf16.cache_clear()
 
 
 def linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -78,12 +79,12 @@ def test_float32_rows_in_and_out_as_the_fused_step_calls_it(compiled):
     order of float32 sums, to torch's product of the rounded rows."""
     layer, x = linear(200, 70, bias=False), torch.randn(21, 200) * 3
     packed, y = PackedBf16Linear(layer), torch.empty(21, 70)
-    kernel = packed_bf16.kernel()
+    kernel = gemm.load_bf16()
     assert kernel.gemm(x.data_ptr(), 1, 200, packed.packed.data_ptr(), None, y.data_ptr(), 1, 21, 70,
                        packed.padded_in_features, 200) == 0
     expected = F.linear(x.to(torch.bfloat16).double(), layer.weight.double()).float()
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    assert linear_kernel("dequantized", torch.bfloat16).startswith(f"C/{compiled} packed bf16 GEMM")
+    assert kernels.describe(dtype=torch.bfloat16).linear.startswith(f"C/{compiled} packed bf16 GEMM")
 
 
 def test_any_leading_shape_strides_and_no_rows(compiled):
@@ -120,20 +121,21 @@ def test_bad_input_is_refused_with_the_reason(compiled):
 
 
 def test_without_a_bf16_extension_a_bf16_model_keeps_onednn_or_torch_and_says_why(monkeypatch, fresh_build):
-    monkeypatch.setattr(native, "x86_flags", lambda: {"avx512f", "avx2"})
-    why = "no packed bf16 GEMM (the CPU has neither AMX-BF16 nor AVX512-BF16)"
-    assert packed_bf16.gemm_kernel() == why
+    monkeypatch.setattr(build, "x86_flags", lambda: {"avx512f", "avx2"})
+    why = "the CPU has neither AMX-BF16 nor AVX512-BF16"
+    assert gemm.load_bf16.why_not() == why
     with pytest.raises(RuntimeError, match=rf"unavailable: {re.escape(why)}"):
         PackedBf16Linear(linear(8, 8))
-    assert "packed bf16" not in linear_kernel("dequantized", torch.bfloat16)
+    described = kernels.describe(dtype=torch.bfloat16)
+    assert "packed bf16" not in described.linear and described.fused_step == f"none (no packed bf16 GEMM: {why})"
     model = nn.Sequential(linear(8, 8))
     model.dtype, model.device = torch.bfloat16, torch.device("cpu")
     apply_weight_format(model, "dequantized", prepack=True)
     assert type(model[0]) in (PrepackedLinear, nn.Linear)
-    assert list(fresh_build.iterdir()) == []  # nothing was built
+    assert not list(fresh_build.glob("gemm_bf16-*"))  # nothing was built
 
 
 def test_a_build_that_fails_is_named(compiled, monkeypatch, fresh_build):
-    monkeypatch.setattr(native, "find_c_compiler", lambda: None)
-    assert packed_bf16.gemm_kernel() == "no packed bf16 GEMM (no C compiler)"
+    monkeypatch.setattr(build, "find_c_compiler", lambda: None)
+    assert gemm.load_bf16.why_not() == "no C compiler"
 

@@ -1,5 +1,6 @@
-"""The packed fp32 GEMM (labkit.model.packed_f32) against torch's F.linear, its fallback when there is
-no compiler, its refusal of bad input, and the engine's greedy output with it."""
+"""The packed fp32 GEMM (labkit/kernels/gemm_f32.c, through labkit.model.packed_linear) against
+torch's F.linear, its fallback when there is no compiler, its refusal of bad input, and the engine's
+greedy output with it."""
 
 import copy
 
@@ -8,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import native
+from labkit import kernels
 from labkit.engine import LLM
-from labkit.model import load_model, packed_f32
-from labkit.model.packed_f32 import PackedF32Linear
+from labkit.kernels import build, gemm
+from labkit.model import load_model
+from labkit.model.packed_linear import PackedF32Linear
 from labkit.model.random_weights import placeholder_tokenizer
-from labkit.model.weight_formats import apply_weight_format, linear_kernel
+from labkit.model.weight_formats import apply_weight_format
 from labkit.sampling import SamplingParams
 
 SMOLLM2_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (in, out): q/o, k/v, gate/up, down
@@ -21,8 +23,8 @@ SMOLLM2_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (in, out)
 
 @pytest.fixture(scope="module")
 def compiled():
-    if packed_f32.kernel() is None:
-        pytest.skip(f"no C kernel here: {packed_f32.gemm_kernel()}")
+    if gemm.load_f32() is None:
+        pytest.skip(f"no C kernel here: {gemm.load_f32.why_not()}")
 
 
 def linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -59,9 +61,9 @@ def test_the_narrower_vector_builds_match_f_linear(compiled, monkeypatch, fresh_
     """The 8- and 4-float builds (other panel widths and row blocks) that CPUs without AVX-512 get."""
     if target[0] == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU cannot run an AVX2 build")
-    monkeypatch.setattr(native, "cpu_target", lambda: target)
-    assert packed_f32.kernel().name == f"C/{target[0]} packed fp32 GEMM"
-    assert packed_f32.kernel().panel_width == 3 * int(target[1][-1].removeprefix("-DLANES="))
+    monkeypatch.setattr(build, "cpu_target", lambda: target)
+    assert gemm.load_f32().name == f"C/{target[0]} packed fp32 GEMM"
+    assert gemm.load_f32().panel_width == 3 * int(target[1][-1].removeprefix("-DLANES="))
     for rows, in_features, out_features in ((1, 576, 192), (5, 64, 50), (13, 30, 100), (40, 1536, 60)):
         assert_matches_f_linear(linear(in_features, out_features, bias=rows > 4), torch.randn(rows, in_features))
 
@@ -90,27 +92,26 @@ def test_bad_input_is_refused_with_the_reason(compiled):
 
 
 def test_without_a_compiler_the_model_keeps_torchs_linear_and_says_so(monkeypatch, fresh_build):
-    monkeypatch.setattr(native, "find_c_compiler", lambda: None)
-    assert packed_f32.gemm_kernel() == "torch default GEMM float32 (no C compiler)"
-    assert "no C compiler" in linear_kernel("dequantized", torch.float32)
+    monkeypatch.setattr(build, "find_c_compiler", lambda: None)
+    assert kernels.describe(dtype=torch.float32).linear.startswith("torch default GEMM float32 (no C compiler)")
     model = nn.Sequential(nn.Linear(8, 8))
     model.dtype, model.device = torch.float32, torch.device("cpu")
     apply_weight_format(model, "dequantized", prepack=True)
     assert type(model[0]) is nn.Linear
-    with pytest.raises(RuntimeError, match="unavailable: torch default GEMM float32 \\(no C compiler\\)"):
+    with pytest.raises(RuntimeError, match="unavailable: no C compiler"):
         PackedF32Linear(nn.Linear(8, 8))
     assert list(fresh_build.iterdir()) == []
 
 
 def test_prepacking_follows_the_rule_per_cpu(compiled, monkeypatch):
-    assert packed_f32.serves_this_cpu() == packed_f32.kernel().name.startswith("C/AVX-512")
+    assert gemm.f32_serves_this_cpu() == gemm.load_f32().name.startswith("C/AVX-512")
     for faster, expected in ((True, PackedF32Linear), (False, nn.Linear)):
-        monkeypatch.setattr(packed_f32, "serves_this_cpu", lambda faster=faster: faster)
+        monkeypatch.setattr(gemm, "f32_serves_this_cpu", lambda faster=faster: faster)
         model = nn.Sequential(nn.Linear(8, 8))
         model.dtype, model.device = torch.float32, torch.device("cpu")
         apply_weight_format(model, "dequantized", prepack=True)
         assert type(model[0]) is expected
-        assert linear_kernel("dequantized", torch.float32).startswith("C/") is faster
+        assert kernels.describe(dtype=torch.float32).linear.startswith("C/") is faster
 
 
 def test_the_packed_model_keeps_the_logits_and_the_engines_greedy_tokens(compiled, monkeypatch):
@@ -121,7 +122,7 @@ def test_the_packed_model_keeps_the_logits_and_the_engines_greedy_tokens(compile
     try:
         plain = load_model("smollm2", device="cpu", dtype=torch.float32)
         packed = copy.deepcopy(plain)
-        monkeypatch.setattr(packed_f32, "serves_this_cpu", lambda: True)
+        monkeypatch.setattr(gemm, "f32_serves_this_cpu", lambda: True)
         apply_weight_format(packed, "dequantized", prepack=True)
         assert type(packed.lm_head) is PackedF32Linear and type(packed.layers[0].mlp.down_proj) is PackedF32Linear
         ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 253, 1341, 30, 378, 1978, 314])

@@ -4,19 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from labkit import kernels
 from labkit.engine import LLM
-from labkit.model import DecoderModel, int8_dot, load_model, packed_bf16
+from labkit.kernels import build, gemm, int8_dot
+from labkit.model import DecoderModel, load_model
 from labkit.model.gguf_loader import load_gguf, load_q4_1_blocks
-from labkit.model.packed_bf16 import PackedBf16Linear
-from labkit.model.packed_f32 import PackedF32Linear, serves_this_cpu
+from labkit.model.packed_linear import PackedBf16Linear, PackedF32Linear
 from labkit.model.weight_formats import (
     Int8Linear,
     PrepackedLinear,
     Q4Linear,
     apply_weight_format,
     dequantize_q4_1,
-    linear_kernel,
-    prepacks_bf16,
     quantize_q4_1,
 )
 from labkit.registry import resolve_model_path
@@ -84,7 +83,7 @@ def test_each_kernel_multiplies_like_f_linear_on_its_own_weights(gguf, rows):
     row_max = dense.abs().amax(1, keepdim=True)
     assert ((dequantized - dense).abs() <= row_max / 254 + row_max / 128).all()  # half a step + the bf16 scale
     torch.testing.assert_close(int8(x).float(), F.linear(x.float(), dequantized, linear.bias), atol=atol, rtol=0.02)
-    if prepacks_bf16():
+    if gemm.prepacks_bf16():
         packed = PrepackedLinear(linear.bfloat16())
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=0.03, rtol=0.02)
 
@@ -92,7 +91,7 @@ def test_each_kernel_multiplies_like_f_linear_on_its_own_weights(gguf, rows):
 @pytest.mark.parametrize("in_features", [100, 576])
 def test_torchs_int8_fallback_takes_any_width(monkeypatch, in_features):
     """torch's _weight_int8pack_mm segfaults on bf16 widths such as 100 (not multiples of 16): the fallback pads."""
-    monkeypatch.setattr(int8_dot, "available", lambda: False)
+    monkeypatch.setattr(int8_dot, "load", lambda: None)
     linear = torch.nn.Linear(in_features, 24, bias=True)
     int8 = Int8Linear(linear)
     assert int8.native is None and int8.codes.shape == (24, -(-in_features // 16) * 16)
@@ -128,27 +127,28 @@ def test_prepacking_applies_where_it_is_the_faster_kernel(gguf):
     config, weights, _ = gguf
     fp32 = DecoderModel.from_state_dict(config, weights)
     apply_weight_format(fp32, "dequantized", prepack=True)  # fp32: the packed C GEMM where it measured faster
-    assert type(fp32.layers[0].self_attn.q_proj) is (PackedF32Linear if serves_this_cpu() else torch.nn.Linear)
+    assert type(fp32.layers[0].self_attn.q_proj) is (PackedF32Linear if gemm.f32_serves_this_cpu() else torch.nn.Linear)
     packed = _formatted(gguf, "dequantized", prepack=True)  # bf16: the C GEMM (AMX, AVX512-BF16), else oneDNN's
-    ours = packed_bf16.kernel() is not None
-    expected = PackedBf16Linear if ours else PrepackedLinear if prepacks_bf16() else torch.nn.Linear
+    ours = gemm.load_bf16() is not None
+    expected = PackedBf16Linear if ours else PrepackedLinear if gemm.prepacks_bf16() else torch.nn.Linear
     assert type(packed.layers[0].self_attn.q_proj) is expected
-    assert ("oneDNN" in linear_kernel("dequantized", torch.bfloat16)) == (prepacks_bf16() and not ours)
-    assert ("packed bf16 GEMM" in linear_kernel("dequantized", torch.bfloat16)) == ours
-    expected = ("Q4_1 x int8", "int8 x int8") if int8_dot.available() else ("torch int4", "torch int8")
-    assert (expected[0] in linear_kernel("q4_1", torch.bfloat16)
-            and expected[1] in linear_kernel("int8", torch.bfloat16))
+    bf16 = kernels.describe(dtype=torch.bfloat16).linear
+    assert ("oneDNN" in bf16) == (gemm.prepacks_bf16() and not ours) and ("packed bf16 GEMM" in bf16) == ours
+    expected = ("Q4_1 x int8", "int8 x int8") if int8_dot.load() is not None else ("torch int4", "torch int8")
+    assert (expected[0] in kernels.describe(dtype=torch.bfloat16, weight_format="q4_1").linear
+            and expected[1] in kernels.describe(dtype=torch.bfloat16, weight_format="int8").linear)
 
 
-def test_bad_formats_are_refused_before_any_weight_is_read(gguf, monkeypatch):
+def test_bad_formats_are_refused_before_any_weight_is_read(gguf, monkeypatch, fresh_build):
     with pytest.raises(ValueError, match="weight_format must be one of"):
         load_model("smollm2", device="cpu", weight_format="q4_0")
     with pytest.raises(ValueError, match="takes float32 or bfloat16 activations, got torch.float16"):
         load_model("smollm2", device="cpu", dtype=torch.float16, weight_format="q4_1")
     with monkeypatch.context() as patch:  # torch's own kernels: bf16 only
-        patch.setattr(int8_dot, "available", lambda: False)
-        with pytest.raises(ValueError, match="needs dtype=torch.bfloat16 here"):
+        patch.setattr(build, "find_c_compiler", lambda: None)
+        with pytest.raises(ValueError, match=r"needs dtype=torch.bfloat16 here: without the C int8 dot kernel \(no C"):
             load_model("smollm2", device="cpu", dtype=torch.float32, weight_format="int8")
+    int8_dot.load.cache_clear()
     with pytest.raises(ValueError, match="chosen when the model is loaded"):
         LLM(_formatted(gguf, "dequantized"), tokenizer=object(), weight_format="q4_1")
     codes, d, m = gguf[2]["layers.0.self_attn.k_proj.weight"]

@@ -7,58 +7,21 @@ block after block into an online softmax (the PagedAttention lesson, "Flash-Page
 reading each KV head once for its group of query heads, in float32 or bfloat16 pools with float32
 sums. It is single-threaded: the engine runs one thread per process in its tests and benchmarks.
 
-The C file is compiled at first use for this CPU (see `labkit.native`). Without a compiler, or when
-compiling fails, attention keeps the torch path; `decode_attention_kernel()` names which one runs.
+The C file (labkit/kernels/paged_decode.c, bound in `labkit.kernels.decode_attention`) is compiled
+at first use for this CPU. Without a compiler, or when compiling fails, attention keeps the torch
+path; `labkit.kernels.describe()` names which one runs.
 """
-
-import ctypes
-from pathlib import Path
 
 import torch
 
-from labkit import native
-
-SOURCE = Path(__file__).with_name("paged_decode.c")
-_ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
-_MAX_BLOCK_SIZE = 1024  # the kernel keeps one block's scores per query head on its stack
-
-
-class _Kernel:
-    """The loaded library's two entry points (float32, bfloat16) and the name of its target."""
-
-    def __init__(self, library: ctypes.CDLL, target: str):
-        self.name = f"C/{target}"
-        self.functions = {}
-        for dtype, symbol in _ENTRY_POINTS.items():
-            fn = getattr(library, symbol)
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
-            fn.restype = None
-            self.functions[dtype] = fn
-
-
-_load = native.loader(SOURCE, _Kernel)  # the kernel, or why there is none (shown by `decode_attention_kernel`)
-
-
-def kernel() -> _Kernel | None:
-    """The compiled kernel (compiled at the first call), or None when attention must use torch."""
-    loaded = _load()
-    return loaded if isinstance(loaded, _Kernel) else None
-
-
-def decode_attention_kernel(device: torch.device | str = "cpu") -> str:
-    """Which implementation runs decode attention over a paged pool on `device`, e.g. "C/AVX-512" or
-    "torch gather (no C compiler)"."""
-    if torch.device(device).type != "cpu":
-        return f"torch gather ({torch.device(device).type})"
-    loaded = _load()
-    return loaded.name if isinstance(loaded, _Kernel) else f"torch gather ({loaded})"
+from labkit.kernels import decode_attention
 
 
 def supports(storage) -> bool:
     """Whether the kernel can read this `PagedKVStorage`'s pools (compiling it if it was not yet): a
     float32 or bfloat16 pool on the CPU with head_dim a multiple of 16. Quantized pools keep torch."""
-    return (storage.device.type == "cpu" and not storage.quantized and storage.dtype in _ENTRY_POINTS
-            and storage.head_dim % 16 == 0 and kernel() is not None)
+    return (storage.device.type == "cpu" and not storage.quantized and storage.dtype in decode_attention.ENTRY_POINTS
+            and storage.head_dim % 16 == 0 and decode_attention.load() is not None)
 
 
 class DecodePlan:
@@ -73,8 +36,8 @@ class DecodePlan:
                              f"{tuple(context_lens.shape)}: need [B, max_blocks] and [B]")
         if block_tables.device.type != "cpu" or context_lens.device.type != "cpu":
             raise ValueError("the C decode kernel runs on CPU tensors only")
-        if not 0 < block_size <= _MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be in 1..{_MAX_BLOCK_SIZE}, got {block_size}")
+        if not 0 < block_size <= decode_attention.MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{decode_attention.MAX_BLOCK_SIZE}, got {block_size}")
         if context_lens.numel() and int(context_lens.min()) < 1:
             raise ValueError(f"every sequence needs a context of at least one token, got {context_lens.tolist()}")
         blocks_needed = -(-context_lens.long() // block_size)
@@ -88,9 +51,9 @@ class DecodePlan:
         self.block_tables = block_tables.to(torch.int32).contiguous()
         self.context_lens = context_lens.to(torch.int32).contiguous()
         self.block_size, self.tokens = block_size, tokens
-        self._kernel = kernel()
+        self._kernel = decode_attention.load()
         if self._kernel is None:
-            raise RuntimeError(f"the C decode kernel is unavailable: {decode_attention_kernel()}")
+            raise RuntimeError(f"the C decode kernel is unavailable: {decode_attention.load.why_not()}")
         self._checked = None  # the layout of the last inputs `_check` accepted: every layer's is the same
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -110,8 +73,9 @@ class DecodePlan:
         return out
 
     def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        if q.dtype not in _ENTRY_POINTS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            raise ValueError(f"q, k_cache and v_cache must share one dtype of {list(_ENTRY_POINTS)}, got "
+        dtypes = list(decode_attention.ENTRY_POINTS)
+        if q.dtype not in dtypes or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(f"q, k_cache and v_cache must share one dtype of {dtypes}, got "
                              f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
         if any(t.device.type != "cpu" for t in (q, k_cache, v_cache)):
             raise ValueError("the C decode kernel runs on CPU tensors only")

@@ -7,7 +7,7 @@ implementations of the same contract:
 - "torch": `labkit.attention.reference` (a vectorized gather plus one fused attention per layer,
   with the step's masks and indices planned once by its first layer), the default on CPU. Its
   decode rows read the pool directly through the block tables with the C kernel of
-  `labkit.attention.cpu_decode` wherever that kernel compiles (`decode_attention_kernel()` says),
+  `labkit.attention.cpu_decode` wherever that kernel compiles (`labkit.kernels.describe()` says),
   and so do a float32 prefill's rows, each over its causal prefix, when padding the batch would
   more than double the work;
 - "triton": `labkit.attention.triton_kernels`, the default on CUDA; on a CPU it runs only under

@@ -1,4 +1,4 @@
-"""Steps on the CPU in one C call (`fused_decode.c`): a quantized model's small decode batches, and a
+"""Steps on the CPU in one C call (`labkit/kernels/fused_decode.c`): a quantized model's small decode batches, and a
 dense float32 or (on AMX or AVX512-BF16 CPUs) bf16 model's steps of any size, prompts included.
 
 At batch 1 the eager model spends more time issuing its ~45 small torch operations per layer than
@@ -21,72 +21,38 @@ cannot use it.
 """
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from labkit import native
 from labkit.attention import cpu_decode
 from labkit.attention.metadata import AttentionMetadata
 from labkit.attention.reference import rows_as_decode_rows
-from labkit.model import int8_dot, packed_bf16, packed_f32
+from labkit.kernels import fused_decode as fused
+from labkit.kernels import gemm, int8_dot
 from labkit.model.layers import rope_cos_sin, rope_inv_freq
-from labkit.model.packed_bf16 import PackedBf16Linear
-from labkit.model.packed_f32 import PackedF32Linear
+from labkit.model.packed_linear import PackedBf16Linear, PackedF32Linear
 from labkit.model.weight_formats import Int8Linear, Q4Linear
 
-SOURCE = Path(__file__).with_name("fused_decode.c")
 MAX_ROWS = int8_dot.DENSE_FROM_ROWS  # quantized: more sequences than this multiply faster as dense GEMMs
-_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 _KIND = {Q4Linear: 0, Int8Linear: 1, PackedF32Linear: 2, PackedBf16Linear: 3}  # fused_decode.c's Q4_1, INT8,
 # F32_PACKED, BF16_PACKED
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_void_p),
-                ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("n", ctypes.c_int64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [*((name, _Linear) for name in _LINEARS), ("input_norm", ctypes.c_void_p),
-                ("post_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
-                                                     "intermediate", "block_size", "max_blocks")] + [
-        ("eps", ctypes.c_float), ("kv_bf16", ctypes.c_int32), ("gemm_f32", ctypes.c_void_p),
-        ("gemm_bf16", ctypes.c_void_p)]
-
-
-def _declare(library: ctypes.CDLL, target: str) -> ctypes.CDLL:
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.fused_decode_step.argtypes = [pointer, i64, pointer, i64, pointer, pointer, pointer, pointer, pointer,
-                                          pointer, pointer]
-    library.fused_decode_step.restype = ctypes.c_int
-    library.fused_decode_workspace.argtypes = [pointer, i64]
-    library.fused_decode_workspace.restype = i64
-    return library
-
-
-_load = native.loader(SOURCE, _declare, includes=(int8_dot.SOURCE, cpu_decode.SOURCE))
-
-
 def _linears(layer) -> tuple:
-    """A decoder layer's seven linears, in `_Layer`'s order."""
+    """A decoder layer's seven linears, in `fused.Layer`'s order."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
-def _linear_struct(layer) -> _Linear:
+def _linear_struct(layer) -> fused.Linear:
     if isinstance(layer, PackedF32Linear):
-        return _Linear(_KIND[PackedF32Linear], layer.packed.data_ptr(), None, None, layer.out_features,
+        return fused.Linear(_KIND[PackedF32Linear], layer.packed.data_ptr(), None, None, layer.out_features,
                        layer.in_features, layer.in_features)
     if isinstance(layer, PackedBf16Linear):
-        return _Linear(_KIND[PackedBf16Linear], layer.packed.data_ptr(), None, None, layer.out_features,
+        return fused.Linear(_KIND[PackedBf16Linear], layer.packed.data_ptr(), None, None, layer.out_features,
                        layer.padded_in_features, layer.in_features)
     packed = layer.native
-    return _Linear(_KIND[type(layer)], *(t.data_ptr() for t in packed.tensors), packed.out_features,
+    return fused.Linear(_KIND[type(layer)], *(t.data_ptr() for t in packed.tensors), packed.out_features,
                    packed.padded_in_features, packed.in_features)
 
 
@@ -116,8 +82,8 @@ class FusedDecoder:
         c = model.config
         if model.device.type != "cpu":
             return f"runs on the CPU, the model is on {model.device.type}"
-        if isinstance(_load(), str):
-            return _load()
+        if fused.load() is None:
+            return fused.load.why_not()
         if c.qk_norm or c.attention_bias or c.head_dim % 16:
             return "the model has q/k norms, attention biases or a head_dim not a multiple of 16"
         if _weights_kind(model) is None:
@@ -138,15 +104,16 @@ class FusedDecoder:
         layers = []
         for i, layer in enumerate(model.layers):
             k_cache, v_cache = storage.layer(i)
-            layers.append(_Layer(*(_linear_struct(linear) for linear in _linears(layer)), self._norms[i][0].data_ptr(),
-                                 self._norms[i][1].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()))
-        self._layers = (_Layer * len(layers))(*layers)
+            layers.append(fused.Layer(*(_linear_struct(linear) for linear in _linears(layer)),
+                                      self._norms[i][0].data_ptr(), self._norms[i][1].data_ptr(), k_cache.data_ptr(),
+                                      v_cache.data_ptr()))
+        self._layers = (fused.Layer * len(layers))(*layers)
         kind = _weights_kind(model)
         self.max_rows = None if kind in ("float32", "bfloat16") else MAX_ROWS  # None: any decode batch
         self.runs_prompts = self.max_rows is None  # `forward_hidden` takes any step
-        packed = {"gemm_f32": (packed_f32, "float32"), "gemm_bf16": (packed_bf16, "bfloat16")}
-        gemms = {name: ctypes.cast(module.kernel().gemm, ctypes.c_void_p).value if kind == dtype else None
-                 for name, (module, dtype) in packed.items()}
+        packed = {"gemm_f32": (gemm.load_f32, "float32"), "gemm_bf16": (gemm.load_bf16, "bfloat16")}
+        gemms = {name: ctypes.cast(load().gemm, ctypes.c_void_p).value if kind == dtype else None
+                 for name, (load, dtype) in packed.items()}
         # the LM head of a packed bf16 model takes bf16 rows, as the eager step's final norm gives it
         self._head_dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
         self._shape = dict(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
@@ -198,14 +165,13 @@ class FusedDecoder:
                              f"{self.storage.num_blocks * self.storage.block_size}")
         cos, sin = (t.contiguous() for t in rope_cos_sin(positions, self._inv_freq, torch.float32))
         x = self.model.embed_tokens(input_ids).float().contiguous()
-        shape = _Shape(**self._shape, max_blocks=block_tables.shape[1])
-        library = _load()
-        needed = library.fused_decode_workspace(ctypes.byref(shape), x.shape[0]) + 64  # + room to align
+        shape = fused.Shape(**self._shape, max_blocks=block_tables.shape[1])
+        kernel = fused.load()
+        needed = kernel.workspace(ctypes.byref(shape), x.shape[0]) + 64  # + room to align
         if self._workspace.numel() < needed:
             self._workspace = torch.empty(needed, dtype=torch.uint8)
         work = -self._workspace.data_ptr() % 64 + self._workspace.data_ptr()
-        if library.fused_decode_step(self._layers, len(self._layers), ctypes.byref(shape), x.shape[0], x.data_ptr(),
-                                     cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                                     context_lens.data_ptr(), work):
+        if kernel.step(self._layers, len(self._layers), ctypes.byref(shape), x.shape[0], x.data_ptr(), cos.data_ptr(),
+                       sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), work):
             raise MemoryError("the fused step's GEMM could not allocate its copy of the input rows")
         return x

@@ -1,13 +1,14 @@
-"""How a model's linear weights are stored, and which CPU kernel multiplies by them.
+"""How a model's linear weights are stored, and which CPU kernel multiplies by them
+(`labkit.kernels.describe()` names it).
 
 Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., weight_format=...)`:
 
 - "dequantized": float weights in the model's dtype. In bf16 on a CPU with AMX or AVX512-BF16 the
-  engine packs each weight once into AMX's tile layout for a small C GEMM (`packed_bf16.py`, which a
+  engine packs each weight once into AMX's tile layout for a small C GEMM (`packed_linear.py`, which a
   fused C decode step can call); where that kernel does not build, it reorders each weight once into
   oneDNN's blocked layout ("prepacked"), so a call multiplies at once instead of re-laying the weight
   out every time; in
-  fp32 the engine packs each weight once for a small C GEMM (`packed_f32.py`) on AVX-512 CPUs, where
+  fp32 the engine packs each weight once for a small C GEMM (`packed_linear.py`) on AVX-512 CPUs, where
   it measured faster than torch's. The labs see plain `nn.Linear`s (load_model's prepack=False).
 - "int8": weight-only int8, one symmetric scale per output row (scale = max|w| / 127). A quarter of
   fp32's bytes.
@@ -17,7 +18,7 @@ Three formats, chosen with `LLM(..., weight_format=...)` or `load_model(..., wei
   llama.cpp's `quantize_row_q4_1` does.
 
 The quantized formats are a batch-1 and memory choice. Where the C int8 dot kernel builds
-(`int8_dot.py`), it multiplies the codes by activations quantized to int8 per group of 32, as
+(`labkit/kernels/int8_dot.py`), it multiplies the codes by activations quantized to int8 per group of 32, as
 llama.cpp does, in float32 or bfloat16 models; batches of more than a few rows (prefill) dequantize
 the weight for a float GEMM instead. Without it, torch's weight-only kernels run: they widen the codes
 to floats for every row of activations and are vectorized for bf16 only (their fp32 path is a scalar
@@ -27,65 +28,17 @@ exactly. The embedding table stays float (a lookup reads one row per token); the
 all of it every step, is int8 per row in both quantized formats (SmolLM2's GGUF stores it as Q8_0).
 """
 
-import platform
-
 import torch
 from torch import nn
 
-from labkit import native
-from labkit.model import int8_dot, packed_bf16, packed_f32
-from labkit.model.packed_bf16 import PackedBf16Linear
-from labkit.model.packed_f32 import PackedF32Linear
+from labkit.kernels import gemm, int8_dot
+from labkit.model.packed_linear import PackedBf16Linear, PackedF32Linear
 
 WEIGHT_FORMATS = ("dequantized", "int8", "q4_1")
 Q4_GROUP = 32  # weights per Q4_1 block
 # torch's _weight_int8pack_mm crashes (SIGSEGV, torch 2.13, bf16) on some widths that are not a multiple
 # of 16, so the fallback pads its codes and inputs with zero columns up to one.
 INT8PACK_WIDTH = 16
-
-
-def cpu_features() -> str:
-    """The CPU's widest matrix/vector extension that decides the kernels: AMX-BF16, AVX512-BF16,
-    AVX512, AVX2, NEON (Apple and other Arm) or none."""
-    if platform.machine().lower() in ("arm64", "aarch64"):
-        return "NEON"
-    flags = native.x86_flags()
-    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"),
-                       ("avx2", "AVX2")):
-        if flag in flags:
-            return name
-    return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "no SIMD extension")
-
-
-def prepacks_bf16() -> bool:
-    """Whether oneDNN's prepacked bf16 GEMM is the fast path on this CPU (native bf16 dot products)."""
-    return torch.backends.mkldnn.is_available() and cpu_features() in ("AMX-BF16", "AVX512-BF16")
-
-
-def linear_kernel(weight_format: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
-    """Which kernel runs the model's linear layers, in words, for benchmark output."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"cuBLAS {_dtype_name(dtype)}"
-    features = cpu_features()
-    if weight_format in ("int8", "q4_1") and int8_dot.available():
-        return (f"{int8_dot.kernel_name()} {'Q4_1' if weight_format == 'q4_1' else 'int8'} x int8 activations "
-                f"per 32, float GEMM of the dequantized weight above {int8_dot.DENSE_FROM_ROWS} rows")
-    if weight_format == "int8":
-        return f"torch int8 weight-only, bf16 activations ({features}; {int8_dot.kernel_name()})"
-    if weight_format == "q4_1":
-        return f"torch int4 weight-only, Q4_1 groups of 32, bf16 activations ({features}; {int8_dot.kernel_name()})"
-    if dtype == torch.bfloat16 and packed_bf16.kernel() is not None:
-        return f"{packed_bf16.gemm_kernel()} ({features})"
-    if dtype == torch.bfloat16 and prepacks_bf16():
-        return f"oneDNN prepacked bf16 ({features})"
-    if dtype == torch.float32:
-        return f"{packed_f32.gemm_kernel()} ({features})"
-    return f"torch default GEMM {_dtype_name(dtype)} ({features})"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class PrepackedLinear(nn.Module):
@@ -111,7 +64,7 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
         codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.native = int8_dot.pack_int8(codes, scale) if int8_dot.available() else None
+        self.native = int8_dot.pack_int8(codes, scale) if int8_dot.load() is not None else None
         if self.native is None:
             self.register_buffer("codes", nn.functional.pad(codes, (0, -self.in_features % INT8PACK_WIDTH)))
             self.register_buffer("scale", scale.to(torch.bfloat16))
@@ -162,7 +115,7 @@ class Q4Linear(nn.Module):
                              f"{tuple(codes.shape)} in groups of {Q4_GROUP}")
         if codes.numel() and int(codes.max()) > 15:
             raise ValueError(f"Q4_1 codes must lie in 0..15, got up to {int(codes.max())}")
-        self.native = int8_dot.pack_q4_1(codes, d, m) if int8_dot.available() else None
+        self.native = int8_dot.pack_q4_1(codes, d, m) if int8_dot.load() is not None else None
         if self.native is None:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
             scale_and_zero = torch.stack((d, m + 8 * d), dim=-1).transpose(0, 1).contiguous()  # [in/32, out, 2]
@@ -190,9 +143,9 @@ def check_weight_format(weight_format: str, dtype: torch.dtype, device: torch.de
                          f"kernels differ per device); on {torch.device(device).type} use weight_format='dequantized'")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"weight_format={weight_format!r} takes float32 or bfloat16 activations, got {dtype}")
-    if dtype != torch.bfloat16 and not int8_dot.available():
+    if dtype != torch.bfloat16 and int8_dot.load() is None:
         raise ValueError(f"weight_format={weight_format!r} needs dtype=torch.bfloat16 here: without the C int8 dot "
-                         f"kernel ({int8_dot.kernel_name()}) torch's CPU int8/int4 kernels run, and they are "
+                         f"kernel ({int8_dot.load.why_not()}) torch's CPU int8/int4 kernels run, and they are "
                          f"vectorized for bf16 activations only, got {dtype}")
 
 
@@ -207,8 +160,8 @@ def apply_weight_format(model: nn.Module, weight_format: str, prepack: bool = Fa
     dtype, device = model.dtype, model.device
     check_weight_format(weight_format, dtype, device)
     if weight_format == "dequantized" and not (
-            prepack and device.type == "cpu" and (dtype == torch.bfloat16 and prepacks_bf16()
-                                                  or dtype == torch.float32 and packed_f32.serves_this_cpu())):
+            prepack and device.type == "cpu" and (dtype == torch.bfloat16 and gemm.prepacks_bf16()
+                                                  or dtype == torch.float32 and gemm.f32_serves_this_cpu())):
         return
     q4_blocks = q4_blocks or {}
     for module_name, module in list(model.named_modules()):
@@ -223,7 +176,7 @@ def _converted(linear: nn.Linear, name: str, weight_format: str, q4_blocks: dict
     if weight_format == "dequantized":
         if linear.weight.dtype == torch.float32:
             return PackedF32Linear(linear)
-        return PackedBf16Linear(linear) if packed_bf16.kernel() is not None else PrepackedLinear(linear)
+        return PackedBf16Linear(linear) if gemm.load_bf16() is not None else PrepackedLinear(linear)
     if weight_format == "int8" or name == "lm_head" or linear.in_features % Q4_GROUP:
         return Int8Linear(linear)
     blocks = q4_blocks.get(f"{name}.weight") or quantize_q4_1(linear.weight)

@@ -11,10 +11,10 @@
  * llama.cpp's does); the linears are int8_dot.c's for the quantized formats, or the packed GEMM of a
  * dense float32 (gemm_f32.c) or bf16 (gemm_bf16.c, AMX or AVX512-BF16) model, reached through a
  * function pointer (those libraries are built on their own, the bf16 one with its own compiler
- * flags). The Python side (fused_decode.py) checks the model and every shape, lays the weights out
- * and owns the workspace; this file trusts its arguments. */
+ * flags). The Python side (labkit/model/fused_decode.py) checks the model and every shape, lays the
+ * weights out and owns the workspace; this file trusts its arguments. */
 #include "int8_dot.c"
-#include "../attention/paged_decode.c"
+#include "paged_decode.c"
 
 /* Linear kinds beside int8_dot.c's Q4_1 and INT8: gemm_f32.c's panels, or gemm_bf16.c's tile-layout panels, in `a` */
 #define F32_PACKED 2
@@ -107,21 +107,6 @@ static void swiglu(float *gate, const float *up, int64_t n) {
     for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* n floats rounded to bf16 as float_to_bf16 rounds them (nearest even, a NaN stays a NaN), LANES at a
- * time: one at a time, a 2,048-row prompt step spent ~0.1 s a step here. */
-static void round_to_bf16(const float *src, int64_t n, uint16_t *dst) {
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        uvec bits;
-        memcpy(&bits, src + i, sizeof bits);
-        const uvec nan = (uvec)((bits & 0x7fffffffu) > 0x7f800000u);
-        const uvec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
-        const u16vec top = __builtin_convertvector((nan & quiet) | (~nan & rounded), u16vec);
-        memcpy(dst + i, &top, sizeof top);
-    }
-    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
-}
-
 static void copy_in(const void *src, int64_t n, float *dst, int bf16) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
 }
@@ -156,7 +141,7 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const Layer *L = layers + l;
         rms_norm(x, L->input_norm, M, H, s->eps, h);
-        if (bf16) round_to_bf16(h, M * H, rounded);
+        if (bf16) floats_to_bf16(h, M * H, rounded);
         status |= project(s, &L->q, h, rounded, M, q) | project(s, &L->k, h, rounded, M, k) |
                   project(s, &L->v, h, rounded, M, v);
         for (int64_t r = 0; r < M; r++) {
@@ -164,8 +149,8 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
             rotate(k + r * KD, s->num_kv_heads, D, cos + r * D / 2, sin + r * D / 2);
             int64_t offset = slots[r] * KD;
             if (s->kv_bf16) {
-                round_to_bf16(k + r * KD, KD, (uint16_t *)L->k_cache + offset);
-                round_to_bf16(v + r * KD, KD, (uint16_t *)L->v_cache + offset);
+                floats_to_bf16(k + r * KD, KD, (uint16_t *)L->k_cache + offset);
+                floats_to_bf16(v + r * KD, KD, (uint16_t *)L->v_cache + offset);
             } else {
                 memcpy((float *)L->k_cache + offset, k + r * KD, sizeof(float) * (size_t)KD);
                 memcpy((float *)L->v_cache + offset, v + r * KD, sizeof(float) * (size_t)KD);
@@ -173,7 +158,7 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
         }
         float scale = 1.0f / sqrtf((float)D);
         if (s->kv_bf16) {
-            round_to_bf16(q, M * QD, half);
+            floats_to_bf16(q, M * QD, half);
             paged_decode_attention_bf16(half, L->k_cache, L->v_cache, block_tables, context_lens, half + M * QD,
                                         (int)M, (int)s->num_heads, (int)s->num_kv_heads, (int)D,
                                         (int)s->block_size, (int)s->max_blocks, scale);
@@ -186,10 +171,10 @@ int fused_decode_step(const Layer *layers, int64_t num_layers, const Shape *s, i
         status |= project(s, &L->o, att, half + M * QD, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
         rms_norm(x, L->post_norm, M, H, s->eps, h);
-        if (bf16) round_to_bf16(h, M * H, rounded);
+        if (bf16) floats_to_bf16(h, M * H, rounded);
         status |= project(s, &L->gate, h, rounded, M, gate) | project(s, &L->up, h, rounded, M, up);
         swiglu(gate, up, M * I);
-        if (bf16) round_to_bf16(gate, M * I, rounded);
+        if (bf16) floats_to_bf16(gate, M * I, rounded);
         status |= project(s, &L->down, gate, rounded, M, o);
         for (int64_t i = 0; i < M * H; i++) x[i] += o[i];
     }

@@ -21,24 +21,11 @@
  * file trusts its arguments. No fast-math flags are needed: every reduction spells out its order.
  */
 #include <float.h>
-#include <stdint.h>
-#include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
-
-/* LANES floats as GCC/clang vector extensions, LANES set by the build for this CPU (16 for AVX-512,
- * 8 for AVX2, 4 for NEON and SSE2): one register of the ISA, no intrinsics per ISA. head_dim must be
- * a multiple of 16 (the caller checks). */
-#ifndef LANES
-#define LANES 16
-#endif
+#include "simd.h" /* head_dim must be a multiple of 16 (the caller checks): whole vectors on every ISA */
 #if LANES == 16
 #include <immintrin.h> /* AVX-512: a few steps below are spelled in its intrinsics */
 #endif
-typedef float fvec __attribute__((vector_size(4 * LANES)));
-typedef int32_t ivec __attribute__((vector_size(4 * LANES)));
-typedef uint32_t uvec __attribute__((vector_size(4 * LANES)));
-typedef uint16_t u16vec __attribute__((vector_size(2 * LANES)));
 
 /* LANES elements from i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array. bf16 is a compile-time
  * constant at every call site, so each exported entry point gets its own branch-free kernel. */
@@ -65,10 +52,7 @@ INLINE fvec loadv(const void *base, int64_t i, int bf16) {
 
 INLINE void storev(void *base, int64_t i, fvec v, int bf16) {
     if (bf16) {
-        uvec bits;
-        memcpy(&bits, &v, sizeof bits);
-        bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even (outputs are finite) */
-        const u16vec top = __builtin_convertvector(bits >> 16, u16vec);
+        const u16vec top = fvec_to_bf16(v);
         memcpy((uint16_t *)base + i, &top, sizeof top);
     } else {
         memcpy((float *)base + i, &v, sizeof v);
@@ -192,8 +176,6 @@ INLINE float max_lanes(fvec v) {
     return m;
 }
 #endif
-
-#define UNROLL _Pragma("GCC unroll 64") /* loops over a group's vectors: they must stay in registers */
 
 /* dots[g * step] = query head g of the group (qh) times token `token`'s K row of head h, lane by lane
  * (the score is the sum of the lanes), asking meanwhile for the same head's part of the next block's

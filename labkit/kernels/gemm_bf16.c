@@ -24,7 +24,7 @@
  *   bias    [n] float32 or NULL
  *   y       [m, n] contiguous, float32 or bf16
  *
- * Single-threaded, like the engine; the caller (labkit/model/packed_bf16.py) checks shapes and
+ * Single-threaded, like the engine; the caller (labkit/model/packed_linear.py) checks shapes and
  * dtypes, this file trusts them.
  */
 #include <immintrin.h>
@@ -34,40 +34,20 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "simd.h"
+
 #define STEP 32        /* inputs per tile product: 64 bytes of bf16 */
 #define PANEL 32       /* output columns per weight panel: two B tiles of 16 */
 #define TILE_VALUES (16 * STEP)
 
 int gemm_bf16_panel_width(void) { return PANEL; }
 
-/* 16 floats -> bf16, nearest even; a NaN stays a (quiet) NaN. */
-static inline __attribute__((always_inline)) void to_bf16x16(const float *src, uint16_t *dst) {
-    const __m512 v = _mm512_loadu_ps(src);
-    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
-                                                         _mm512_and_si512(high, _mm512_set1_epi32(1))), 16);
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                    _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(rounded));
-}
-
-static void to_bf16(const float *src, int64_t n, uint16_t *dst) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) to_bf16x16(src + i, dst + i);
-    for (; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, src + i, 4);
-        dst[i] = (bits & 0x7fffffff) > 0x7f800000 ? (uint16_t)((bits >> 16) | 0x40)
-                                                  : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-    }
-}
-
 /* rows x [count, used] (bf16 or float32, stride ldx) into dst [count, K] bf16, zero past `used`. */
 static void copy_rows(const void *x, int x_f32, int64_t ldx, int64_t count, int64_t used, int64_t K, uint16_t *dst) {
     for (int64_t r = 0; r < count; r++) {
         uint16_t *row = dst + r * K;
         if (x_f32)
-            to_bf16((const float *)x + r * ldx, used, row);
+            floats_to_bf16((const float *)x + r * ldx, used, row);
         else
             memcpy(row, (const uint16_t *)x + r * ldx, sizeof(uint16_t) * (size_t)used);
         memset(row + used, 0, sizeof(uint16_t) * (size_t)(K - used));
@@ -91,15 +71,16 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+const char *gemm_bf16_extension(void) { return "AMX-BF16"; }
+
 /* Ask Linux for the AMX tile state (once per process; oneDNN asks the same). 0 on success. */
 int gemm_bf16_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
 /* One 16- or 32-row block of y times panel `b` over K inputs into acc [32][PANEL] float32. `next`:
  * the panel to prefetch meanwhile (NULL: none), a step's share of it per step: the tile loads alone
  * left the weight stream at a quarter of the memory's bandwidth. */
-static inline __attribute__((always_inline)) void block(const uint16_t *a0, const uint16_t *a1, int64_t lda,
-                                                        const uint16_t *b, const uint16_t *next, int64_t K,
-                                                        int two, float *acc) {
+INLINE void block(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint16_t *b, const uint16_t *next,
+                  int64_t K, int two, float *acc) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
@@ -138,7 +119,7 @@ static void write_out(const float *acc, int64_t rows, int64_t width, const float
             if (y_f32)
                 memcpy((float *)y + (row + r) * n + col, acc + r * PANEL, sizeof(float) * PANEL);
             else
-                for (int j = 0; j < PANEL; j += 16) to_bf16x16(acc + r * PANEL + j, (uint16_t *)y + (row + r) * n + col + j);
+                floats_to_bf16(acc + r * PANEL, PANEL, (uint16_t *)y + (row + r) * n + col);
         }
         return;
     }
@@ -151,7 +132,7 @@ static void write_out(const float *acc, int64_t rows, int64_t width, const float
         if (y_f32)
             memcpy((float *)y + (row + r) * n + col, src, sizeof(float) * (size_t)width);
         else
-            to_bf16(src, width, (uint16_t *)y + (row + r) * n + col);
+            floats_to_bf16(src, width, (uint16_t *)y + (row + r) * n + col);
     }
 }
 
@@ -210,30 +191,30 @@ int gemm_bf16(const void *x, int x_f32, int64_t ldx, const uint16_t *packed, con
  * registers over all of K: per (k, k+1) pair it loads np*2 rows of B tiles, broadcasts each row's
  * pair of x, and issues mr*np*2 `vdpbf16ps`. Blocks of MR rows take 2 panels (24 accumulators of 32
  * registers); fewer rows take more panels, so that even one row has 8 independent sums to hide the
- * instruction's latency. Rows are taken in slices that stay in L2 beside a panel group, and every row
- * block of a slice runs over a group before the next group starts, so each panel comes from memory
- * once per slice; the next group is prefetched a little per pair meanwhile. */
-#define INLINE static inline __attribute__((always_inline))
-#define UNROLL _Pragma("GCC unroll 32") /* every loop over a tile's registers: acc must stay in registers */
+ * instruction's latency. The tiles' order and the weight's prefetch: gemm_tiles.h, as gemm_f32.c's. */
 #define MR 6
 #define PANELS(mr) ((mr) <= 2 ? 4 : (mr) == 3 ? 3 : 2)
 #define SLICE_BYTES (256 * 1024) /* a slice of x's rows: a quarter of a 1 MiB L2 */
 #define GROUP_BYTES (192 * 1024) /* a panel group's weight, fetched into L2 while the previous computes */
+#define X uint16_t
+#define W uint16_t
+#define NR PANEL
+#define VEC __m512
+#define VECS 2               /* two B tiles of 16 columns per panel */
+#define STEPS(K) ((K) / 2)   /* a tile prefetches once per (k, k+1) pair */
+#include "gemm_tiles.h"
+
+const char *gemm_bf16_extension(void) { return "AVX512-BF16"; }
 
 /* Needs no state from Linux: nothing to ask. */
 int gemm_bf16_init(void) { return 0; }
 
-typedef struct {
-    const char *next, *end;
-    int lines_per_pair;
-} ahead_t;
-
-/* y[0:mr, cols] (+ bias) = rows a (stride lda, bf16) times np panels from b (panel_stride apart). */
+/* The micro-kernel: see gemm_tiles.h's tile_fn. acc: the caller's fixed-size array of mr*np*2 vectors. */
 INLINE void tile(const int mr, const int np, __m512 *acc, const uint16_t *a, int64_t lda, const uint16_t *b,
                  int64_t panel_stride, int64_t K, const float *bias, void *y, int y_f32, int64_t ldy, int cols,
                  ahead_t *ahead) {
     const char *fetch = ahead->next;
-    const int lines = ahead->lines_per_pair;
+    const int lines = ahead->lines_per_step;
     UNROLL for (int j = 0; j < mr * np * 2; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t s = 0; s < K / STEP; s++) {
         const uint16_t *step = b + s * 2 * TILE_VALUES;
@@ -270,16 +251,6 @@ INLINE void tile(const int mr, const int np, __m512 *acc, const uint16_t *a, int
     }
 }
 
-typedef void tile_fn(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t panel_stride, int64_t K,
-                     const float *bias, void *y, int y_f32, int64_t ldy, int cols, ahead_t *ahead);
-
-/* One tile size as its own function, with its accumulators in an array of constant size. */
-#define TILE(r, p)                                                                                           \
-    static void tile_##r##_##p(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t panel_stride, int64_t K, \
-                               const float *bias, void *y, int y_f32, int64_t ldy, int cols, ahead_t *ahead) {  \
-        __m512 acc[r * p * 2];                                                                               \
-        tile(r, p, acc, a, lda, b, panel_stride, K, bias, y, y_f32, ldy, cols, ahead);                       \
-    }
 TILE(1, 4) TILE(2, 4) TILE(3, 3) TILE(4, 2) TILE(5, 2) TILE(6, 2)
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
 /* `wide` takes PANELS(mr) panels at once, `narrow` one (a group's rest) */
@@ -299,43 +270,7 @@ int gemm_bf16(const void *x, int x_f32, int64_t ldx, const uint16_t *packed, con
         copy_rows(x, x_f32, ldx, m, used, K, scratch);
         x = scratch, ldx = K;
     }
-    const uint16_t *rows_of_x = x;
-    const int64_t panels = (n + PANEL - 1) / PANEL, panel_stride = K * PANEL;
-    int64_t slice = SLICE_BYTES / (2 * K) / MR * MR;
-    if (slice < MR) slice = MR;
-    for (int64_t r0 = 0; r0 < m; r0 += slice) {
-        const int64_t rows = m - r0 < slice ? m - r0 : slice;
-        const int first = rows < MR ? (int)rows : MR;
-        int64_t per_group = GROUP_BYTES / (panel_stride * 2) / PANELS(first) * PANELS(first);  /* whole tiles */
-        if (per_group < PANELS(first)) per_group = PANELS(first);
-        for (int64_t p = 0; p < panels; p += per_group) {
-            const int64_t group = panels - p < per_group ? panels - p : per_group;
-            const int64_t after = panels - p - group < per_group ? panels - p - group : per_group;
-            int64_t count = 0;  /* tiles this group takes, for the prefetch's pace */
-            for (int64_t b = 0; b < rows; b += MR) {
-                const int mr = rows - b < MR ? (int)(rows - b) : MR;
-                count += group / PANELS(mr) + group % PANELS(mr);
-            }
-            const int64_t lines = after * panel_stride * 2 / 64, pairs = count * (K / 2);
-            ahead_t ahead = {(const char *)(packed + (p + group) * panel_stride), NULL,
-                             pairs ? (int)((lines + pairs - 1) / pairs) : 0};
-            ahead.end = ahead.next + 64 * lines;
-            for (int64_t b = 0; b < rows; b += MR) {
-                const int mr = rows - b < MR ? (int)(rows - b) : MR, np = PANELS(mr);
-                const uint16_t *a = rows_of_x + (r0 + b) * ldx;
-                for (int64_t q = 0; q < group;) {
-                    const int take = q + np <= group ? np : 1;
-                    const int64_t col = (p + q) * PANEL, cols = n - col < take * PANEL ? n - col : take * PANEL;
-                    (take == np ? wide : narrow)[mr](a, ldx, packed + (p + q) * panel_stride, panel_stride, K,
-                                                     bias ? bias + col : NULL,
-                                                     y_f32 ? (void *)((float *)y + (r0 + b) * n + col)
-                                                           : (void *)((uint16_t *)y + (r0 + b) * n + col),
-                                                     y_f32, n, (int)cols, &ahead);
-                    q += take;
-                }
-            }
-        }
-    }
+    gemm_tiles(wide, narrow, x, ldx, packed, K * PANEL, bias, y, y_f32, m, n, K);
     free(scratch);
     return 0;
 }

@@ -7,7 +7,7 @@
  * one instruction per 64 pairs (AVX-512 VNNI's vpdpbusd: u8 x s8 summed four at a time into int32)
  * keeps the kernel at memory speed.
  *
- * Layouts (prepared once by labkit/model/int8_dot.py; K is in_features padded to a multiple of 64,
+ * Layouts (prepared once by labkit/kernels/int8_dot.py; K is in_features padded to a multiple of 64,
  * G = K / 32 groups, padding weights and activations are zero):
  *   Q4_1:  codes [N, K/2] uint8: for each 64 inputs, byte j = code[j] | code[j + 32] << 4;
  *          d, m [N, G] float32: w = d * code + m per group of 32.
@@ -33,25 +33,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define GROUP 32
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
 
 /* f rounded to the nearest float16 (ties to even), returned as a float: llama.cpp keeps its
  * activation scales in float16, and matching it keeps greedy decoding on llama.cpp's tokens. */
@@ -335,16 +323,10 @@ int int8_linear(const int8_t *codes, const int32_t *wsum, const float *scale, in
  * float GEMM beats multiplying row by row: prefill chunks. One row at a time through a float32
  * buffer, in loops the compiler vectorizes. Returns 0, or -1 when the buffer could not be allocated. */
 static void store_row(const float *row, int64_t n, void *w, int w_bf16, int64_t o) {
-    if (!w_bf16) {
+    if (w_bf16)
+        floats_to_bf16(row, n, (uint16_t *)w + o * n);
+    else
         memcpy((float *)w + o * n, row, sizeof(float) * (size_t)n);
-        return;
-    }
-    uint16_t *out = (uint16_t *)w + o * n;
-    for (int64_t i = 0; i < n; i++) {  /* round to nearest even; dequantized weights are finite */
-        uint32_t bits;
-        memcpy(&bits, row + i, 4);
-        out[i] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-    }
 }
 
 int q4_1_dequantize(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K, int64_t n,

@@ -9,8 +9,8 @@ decoding left llama.cpp's tokens 13-24 tokens into a prompt where it now follows
 multiplies codes by codes (AVX-512 VNNI, AVX2, or plain C), applying the float scales once per group.
 
 The layouts it reads are prepared once, when a model is loaded (`pack_q4_1`, `pack_int8`); see the C
-file's header for them and for the arithmetic. Without a C compiler the weight formats keep torch's
-kernels, and `kernel_name()` says why.
+file's header for them and for the arithmetic. Without a C compiler the weight formats
+(`labkit.model.weight_formats`) keep torch's kernels, and `labkit.kernels.describe()` says why.
 """
 
 import ctypes
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from labkit import native
+from labkit.kernels import build
 
 SOURCE = Path(__file__).with_name("int8_dot.c")
 GROUP = 32  # inputs per activation scale, and per Q4_1 block
@@ -28,31 +28,27 @@ DENSE_FROM_ROWS = 8  # above this many rows (prefill), a call dequantizes its we
 ROWS = 4  # and 4 output rows at a time (ROWS in the C file): out_features is padded to a multiple
 
 
-def _declare(library: ctypes.CDLL, target: str) -> ctypes.CDLL:
-    library.int8_dot_kernel_name.restype = ctypes.c_char_p
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    for function in (library.q4_1_linear, library.int8_linear):
-        # weights, N, K, in_features, then x, x is bf16, M, x's row stride, y
-        function.argtypes = [pointer, pointer, pointer, i64, i64, i64, pointer, ctypes.c_int, i64, i64, pointer]
-        function.restype = ctypes.c_int
-    for function in (library.q4_1_dequantize, library.int8_dequantize):
-        function.argtypes = [pointer, pointer, pointer, i64, i64, i64, pointer, ctypes.c_int]
-        function.restype = ctypes.c_int
-    return library
+class Kernel:
+    """The library's entry points, declared for ctypes, and the name of the instructions it multiplies with."""
+
+    def __init__(self, library: ctypes.CDLL, target: str):
+        library.int8_dot_kernel_name.restype = ctypes.c_char_p
+        self.name = f"C/{library.int8_dot_kernel_name().decode()}"
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.functions = {}
+        for kind in ("q4_1", "int8"):
+            # weights, N, K, in_features, then x, x is bf16, M, x's row stride, y
+            linear = getattr(library, f"{kind}_linear")
+            linear.argtypes = [pointer, pointer, pointer, i64, i64, i64, pointer, ctypes.c_int, i64, i64, pointer]
+            linear.restype = ctypes.c_int
+            # weights, N, K, in_features, then w, w is bf16
+            dequantize = getattr(library, f"{kind}_dequantize")
+            dequantize.argtypes = [pointer, pointer, pointer, i64, i64, i64, pointer, ctypes.c_int]
+            dequantize.restype = ctypes.c_int
+            self.functions[f"{kind}_linear"], self.functions[f"{kind}_dequantize"] = linear, dequantize
 
 
-_load = native.loader(SOURCE, _declare)  # the library, or why there is none
-
-
-def available() -> bool:
-    """Whether the kernel is built for this CPU (building it at the first call)."""
-    return not isinstance(_load(), str)
-
-
-def kernel_name() -> str:
-    """e.g. "C/AVX-512 VNNI", or why there is no kernel ("no C compiler", "compiling ... failed: ...")."""
-    loaded = _load()
-    return loaded if isinstance(loaded, str) else f"C/{loaded.int8_dot_kernel_name().decode()}"
+load = build.Loader(SOURCE, Kernel)
 
 
 def _padded_inputs(in_features: int) -> int:
@@ -74,9 +70,9 @@ class PackedWeights:
         self.in_features, self.out_features = in_features, out_features
         self.tensors = tensors  # kept alive: the kernel reads them through raw pointers
         self.padded_in_features = _padded_inputs(in_features)  # K in the C file
-        library = _load()
+        kernel = load()
         self._call, self._dequantize = (
-            functools.partial(getattr(library, name), *(t.data_ptr() for t in tensors), out_features,
+            functools.partial(kernel.functions[name], *(t.data_ptr() for t in tensors), out_features,
                               self.padded_in_features, in_features)
             for name in (f"{kind}_linear", f"{kind}_dequantize"))
 
