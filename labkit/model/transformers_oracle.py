@@ -46,27 +46,30 @@ def load_transformers_model(name_or_path="smollm2", with_tokenizer: bool = False
 
 
 def transformers_twin(model, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """transformers' LlamaForCausalLM holding a labkit Llama's own weights (e.g. random ones), in eval mode.
+    """transformers' Llama or Qwen3 model (LlamaForCausalLM, Qwen3ForCausalLM) holding a labkit model's
+    own weights (e.g. random ones), in eval mode.
 
     The oracle for a model that has no file, such as `labkit.model.random_weights.random_model`.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from transformers.initialization import no_init_weights
 
     c = model.config
-    if c.architecture != "llama":
-        raise ValueError(f"transformers_twin builds Llama models, got a {c.architecture!r} config")
-    hf_config = LlamaConfig(
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    if c.architecture not in classes:
+        raise ValueError(f"transformers_twin builds Llama and Qwen3 models, got a {c.architecture!r} config")
+    if c.rope_scaling is not None:
+        raise ValueError("transformers_twin does not carry Llama-3 rope scaling over")
+    config_class, model_class = classes[c.architecture]
+    hf_config = config_class(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
     )
-    if c.rope_scaling is not None:
-        raise ValueError("transformers_twin does not carry Llama-3 rope scaling over")
     with no_init_weights():
-        hf = LlamaForCausalLM(hf_config)
+        hf = model_class(hf_config)
     state = {name if name == "lm_head.weight" else f"model.{name}": tensor
              for name, tensor in model.state_dict().items()}
     hf.load_state_dict(state, strict=not c.tie_word_embeddings, assign=True)
