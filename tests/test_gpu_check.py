@@ -24,14 +24,15 @@ def test_dry_run_writes_a_report_of_the_cpu_parts_and_skips_cuda(tmp_path, monke
     [report] = tmp_path.glob("*-cpu.md")
     text = report.read_text()
     assert text.startswith("# GPU check: cpu\n")
-    assert "Sections: 3 passed, 0 failed, 3 skipped." in text
+    assert "Sections: 3 passed, 0 failed, 4 skipped." in text
     assert "## Triton kernels vs the torch reference: PASS" in text
     for dtype in ("float32", "float16", "bfloat16"):
         assert text.count(f"- ok: paged_attention {dtype}") == 3
         assert f"- ok: store_kvcache {dtype}" in text
+    assert "- ok: sampler's Gumbel-max draw, 4 rows x 5000: 4/4 tokens as the torch draw's" in text
     assert "SmolLM2-135M-shaped, random weights (seed 0)" in text
     assert text.count("greedy tokens: identical") == 2
-    for title in ("CUDA graphs (fp32)", "Solution notebooks under nbval", "Speed"):
+    for title in ("CUDA graphs (fp32)", "transformers fp32", "Solution notebooks under nbval", "Speed"):
         assert f"{title}: SKIPPED\n\n- no CUDA: skipped (this part needs a GPU)" in text
     assert f"report written to {report}" in capsys.readouterr().out
 
