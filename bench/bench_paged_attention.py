@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from labkit import kernels
 from labkit.attention import cpu_decode, reference
-from labkit.roofline import measure_read_bandwidth
+from labkit_course.roofline import measure_read_bandwidth
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30  # SmolLM2-135M's

@@ -5,7 +5,7 @@ import os
 import sys
 
 # Grading treats a compiled file that appears in the course or the environment while it runs as an
-# attack (labkit.grading.integrity); the tests write none, so that one test's imports never look like
+# attack (labkit_course.grading.integrity); the tests write none, so that one test's imports never look like
 # another's attack.
 sys.dont_write_bytecode = True
 os.environ["PYTHONDONTWRITEBYTECODE"] = "1"

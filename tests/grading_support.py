@@ -4,7 +4,7 @@ from pathlib import Path
 
 import nbformat
 
-from labkit.grading.codec import Decoder, Encoder, dumps, identity, loads
+from labkit_course.grading.codec import Decoder, Encoder, dumps, identity, loads
 
 
 def write_notebook(folder: Path, name: str, *cells: str) -> Path:

@@ -1,7 +1,7 @@
 """Every lab's first cell on a simulated Colab runtime: a stub `google.colab` module, a fresh Python
 environment whose torch (and the rest) is preinstalled, and a local git repository as COURSE_REPO.
 It clones, installs (offline, against what is installed), says what it does, stamps the end of a
-finished install, puts the course on sys.path; run again, it is silent and only sets the path; a
+finished install, puts labkit and the course's package on sys.path; run again, it is silent and only sets the path; a
 half-finished install is redone; a bad address says how to set COURSE_REPO; off Colab it prints nothing."""
 
 import subprocess
@@ -9,10 +9,11 @@ import subprocess
 import pytest
 from fresh_env import copy_checkout, fresh_venv, offline_env
 
-from labkit.course import colab_setup_cell
+from labkit_course.course import colab_setup_cell
 
-CHECK = ("\nimport labkit, labkit.data as d\nprint('labkit from', labkit.__file__)\n"
-         "print('data', d.data_path(d.JARGON_FILE).is_file())\n")
+CHECK = ("\nimport labkit, labkit.data as d, labkit_course\nprint('labkit from', labkit.__file__)\n"
+         "print('course from', labkit_course.__file__)\nprint('data', d.data_path(d.JARGON_FILE).is_file())\n")
+COURSE_FROM = "course from {}/course/labkit_course/__init__.py"
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +46,16 @@ def test_first_run_clones_installs_and_stamps_then_a_second_run_only_sets_the_pa
     assert first.returncode == 0, first.stderr[-3000:]
     lines = first.stdout.splitlines()
     assert lines[0] == f"cloning {origin} into {course}…"
-    assert lines[1].startswith("installing labkit and its libraries")
+    assert lines[1].startswith("installing labkit, the course's package and their libraries")
     assert lines[2].startswith("done in ") and lines[2].endswith(" s")
-    assert lines[3] == f"labkit from {course}/labkit/__init__.py" and lines[4] == "data True"
+    assert lines[3:] == [f"labkit from {course}/labkit/__init__.py", COURSE_FROM.format(course), "data True"]
     assert (course / ".colab" / ".installed").is_file()
     assert (course / ".git").is_dir()
 
     again = run_cell(colab, course, origin)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.splitlines() == [f"labkit from {course}/labkit/__init__.py", "data True"]
+    assert again.stdout.splitlines() == [f"labkit from {course}/labkit/__init__.py", COURSE_FROM.format(course),
+                                         "data True"]
 
     (course / ".colab" / ".installed").unlink()  # as if the install had been interrupted
     redo = run_cell(colab, course, origin)

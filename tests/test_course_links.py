@@ -1,11 +1,11 @@
-"""One repository address (labkit.course) behind every "Open in Colab" badge and every lab's Colab cell."""
+"""One repository address (labkit_course.course) behind every "Open in Colab" badge and every lab's Colab cell."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from labkit import course
+from labkit_course import course
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))

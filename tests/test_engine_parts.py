@@ -267,7 +267,7 @@ def test_a_part_raising_midway_leaves_no_block_or_request_behind(small):
 def test_smollm2_with_plain_parts_matches_through_preemption():
     """SmolLM2 itself: four prompts, greedy and seeded, in 5 blocks of 16: the engine preempts, and the
     independently written parts give labkit's tokens."""
-    from labkit.grading.labs.lab11 import smollm2_cpu  # one load per process, shared with the capstone's grader
+    from labkit_course.grading.labs.lab11 import smollm2_cpu  # one load per process, shared with the capstone's grader
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -295,7 +295,7 @@ def test_the_grading_codec_carries_what_the_parts_are_given():
 
     from labkit.cache.block_manager import Block
     from labkit.engine.parts import Request
-    from labkit.grading.codec import Decoder, Encoder, dumps, loads
+    from labkit_course.grading.codec import Decoder, Encoder, dumps, loads
 
     blocks = [Block(0), Block(1, 0, 2**127 + 5, (1, 2))]
     value = [[Request("seq3", 2, 7, 40, 3)], deque([0]), OrderedDict([(1, None)]), {2**127 + 5: 1}, blocks]

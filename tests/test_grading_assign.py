@@ -3,7 +3,7 @@
 import nbformat
 import pytest
 
-from labkit.grading.assign import MarkerError, generate, student_notebook, student_source
+from labkit_course.grading.assign import MarkerError, generate, student_notebook, student_source
 
 
 def test_solution_region_becomes_a_gap_at_the_marker_indentation():

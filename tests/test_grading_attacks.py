@@ -1,11 +1,11 @@
-"""A hostile class against `python -m labkit.grading grade` (issues 11 and 29): every attack must fail.
+"""A hostile class against `python -m labkit_course.grading grade` (issues 11 and 29): every attack must fail.
 
 Each class is graded through the real command in a temporary copy of the course (labkit imported from
 the copy, which is a git checkout with solutions, so an attack that escapes can only damage the copy),
 in every containment mode this machine offers: bubblewrap (as root, a uid of its own per kernel), no
 sandbox when asked for by name, and a refusal when bubblewrap is missing or broken. Students are
 lab-00 notebooks (quick to run); their attack cells avoid what the course rules refuse outright
-(`labkit.grading.rules`), so that the sandbox and the trusted side are what stop them. The pieces
+(`labkit_course.grading.rules`), so that the sandbox and the trusted side are what stop them. The pieces
 (codec, channel, rules, fingerprint) are tested one by one in test_grading_channel.py.
 """
 
@@ -25,27 +25,30 @@ import nbformat
 import pytest
 from grading_support import write_notebook
 
-from labkit.grading import sandbox
-from labkit.grading.core import exercises
-from labkit.grading.integrity import COURSE_ROOT
+from labkit_course.grading import sandbox
+from labkit_course.grading.core import exercises
+from labkit_course.grading.integrity import COURSE_ROOT
 
 GOOD = "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n    return e / e.sum(-1, keepdim=True)"
 WRONG = "def softmax(x):\n    return x"
 MARKER = "labkit-attack-marker-7f3a"
+GRADING = Path("course", "labkit_course", "grading")  # in a course checkout
 SECRET = "instructor-secret-9c1e"
 BWRAP = sandbox.bwrap_problem() is None
 NO_BWRAP = f"bubblewrap does not work here: {sandbox.bwrap_problem()}"
 
 
 def _course_copy(root: Path) -> Path:
-    """labkit, the solutions and the handed-out notebooks in a git checkout, with an instructor's secret.
+    """labkit, the course's package, the solutions and the handed-out notebooks in a git checkout, with an
+    instructor's secret.
 
     Its lab 00 also hands out `RUN`, a cell that defines a helper starting processes: in a student's
     own cell the course rules would refuse it before it runs, but the course's cells are not checked
     and the rules are best effort, so the sandbox must contain what it starts all the same; attack
     notebooks include it verbatim and call `run` from their own cells to show that it does."""
     course = root / "course"
-    shutil.copytree(COURSE_ROOT / "labkit", course / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("labkit", "course/labkit_course"):
+        shutil.copytree(COURSE_ROOT / package, course / package, ignore=shutil.ignore_patterns("__pycache__"))
     for folder in ("solutions", "notebooks"):
         shutil.copytree(COURSE_ROOT / folder, course / folder)
     lab00 = course / "notebooks" / "00_setup.ipynb"
@@ -69,10 +72,11 @@ def _grade(course: Path, klass: Path, *options: str, env: dict | None = None, ti
     report = course / "reports" / "grades.json"
     report.unlink(missing_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: kernels' sockets go below it
-    env = {**os.environ, "PYTHONPATH": str(course), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch), **(env or {})}
+    env = {**os.environ, "PYTHONPATH": f"{course}{os.pathsep}{course / 'course'}", "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(scratch), **(env or {})}
     try:
-        done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(klass), "--report", str(report),
-                               "--jobs", "2", "--cell-timeout", "20", "--call-timeout", "10", *options],
+        done = subprocess.run([sys.executable, "-m", "labkit_course.grading", "grade", str(klass), "--report",
+                               str(report), "--jobs", "2", "--cell-timeout", "20", "--call-timeout", "10", *options],
                               cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
         left = sorted(p.name for p in scratch.iterdir())
     finally:
@@ -165,7 +169,7 @@ def bwrap_class(tmp_path_factory):
                    f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}, 'a').write('x'))\n"
                    f"attempt('report', lambda: open({str(report_dir / 'grades.json')!r}, 'w').write('{{}}'))\n"
                    f"attempt('checkout', lambda: os.remove({str(course / 'victim.txt')!r}))\n"
-                   f"attempt('grader', lambda: open({str(course / 'labkit/grading/core.py')!r}, 'a').write('#'))\n"
+                   f"attempt('grader', lambda: open({str(course / GRADING / 'core.py')!r}, 'a').write('#'))\n"
                    f"attempt('venv', lambda: open({str(site_packages / 'zz_attack.pth')!r}, 'w').write('import os'))\n"
                    "attempt('big_file', lambda: open('big', 'wb').write(b'x' * (600 * 2**20)))\n"
                    "import socket\nattempt('network', lambda: socket.create_connection(('1.1.1.1', 53), timeout=3))",
@@ -176,7 +180,7 @@ def bwrap_class(tmp_path_factory):
                    "attempt('git', lambda: open(course + '/.git/HEAD').read())\n"
                    "seen['git_show'] = await run('git', '-C', course, 'show', 'HEAD:solutions/00_setup.ipynb')\n"
                    "attempt('solution', lambda: open(course + '/solutions/00_setup.ipynb').read()[:50])\n"
-                   "attempt('grader', lambda: open(course + '/labkit/grading/labs/lab00.py').read()[:50])\n"
+                   f"attempt('grader', lambda: open({str(course / GRADING / 'labs/lab00.py')!r}).read()[:50])\n"
                    "attempt('secret', lambda: open(course + '/instructor-notes.txt').read())\n"
                    f"attempt('classmate', lambda: open({str(klass / 'victim' / '00_setup.ipynb')!r}).read()[:50])\n"
                    f"attempt('class', lambda: os.listdir({str(klass)!r}))\n"
@@ -254,7 +258,7 @@ BYPASSES = {
     "code_copy": "import torch.nn.functional as F\ncopy = type(lambda: 0)(F.softmax.__code__, F.softmax.__globals__)",
     "reloader": "import importlib, torch\nimportlib.reload(torch.nn.functional)",
     "restorer": "def restore():\n    import gc\n    return [o for o in gc.get_objects() if hasattr(o, '_saved')]",
-    "key_reader": "from labkit.grading.labs import lab00\nanswers = dict(lab00.QUESTIONS)",
+    "key_reader": "from labkit_course.grading.labs import lab00\nanswers = dict(lab00.QUESTIONS)",
 }
 
 
@@ -289,7 +293,7 @@ def test_a_kernel_cannot_escape_bubblewrap_even_as_root(bwrap_class):
     assert seen["big_file"] == "OSError", "its HOME is a tmpfs of limited size"
     assert seen["network"] in ("OSError", "TimeoutError")
     course = bwrap_class["course"]
-    assert (course / "victim.txt").exists() and not (course / "labkit/grading/core.py").read_text().endswith("#")
+    assert (course / "victim.txt").exists() and not (course / GRADING / "core.py").read_text().endswith("#")
     assert not (bwrap_class["site_packages"] / "zz_attack.pth").exists()
 
 
@@ -465,7 +469,7 @@ def test_with_no_sandbox_a_detached_process_is_killed_before_the_report(course, 
 
 def test_with_no_sandbox_a_changed_course_stops_the_run(course, tmp_path):
     always_pass = '\n\n@exercise("00", "softmax")\ndef softmax(ns):\n    return "forged"\n'
-    grader = course / "labkit" / "grading" / "labs" / "lab00.py"
+    grader = course / GRADING / "labs" / "lab00.py"
     before = grader.read_text()
     write_notebook(tmp_path / "class" / "tamperer", "00_setup.ipynb", "import torch", WRONG,
                    f"with open({str(grader)!r}, 'a') as f:\n    f.write({always_pass!r})")
@@ -481,7 +485,7 @@ def test_with_no_sandbox_a_changed_course_stops_the_run(course, tmp_path):
 # --- the hard limit: a notebook whose grading will not end is stopped, the run goes on ------------------
 
 def test_a_notebook_past_its_hard_limit_is_stopped_and_the_run_goes_on(tmp_path, monkeypatch):
-    from labkit.grading.report import Options, grade_folder
+    from labkit_course.grading.report import Options, grade_folder
 
     klass = tmp_path / "class"
     write_notebook(klass / "stuck", "00_setup.ipynb", "import torch",

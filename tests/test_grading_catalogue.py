@@ -8,7 +8,7 @@ from collections import Counter
 import catalogue
 import pytest
 
-from labkit.grading.core import exercises, get_exercise, run_exercise
+from labkit_course.grading.core import exercises, get_exercise, run_exercise
 
 LABS = {m.name[3:]: importlib.import_module(f"catalogue.{m.name}")
         for m in pkgutil.iter_modules(catalogue.__path__) if m.name.startswith("lab")}

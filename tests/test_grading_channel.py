@@ -21,14 +21,14 @@ import torch
 from grading_support import write_back, write_notebook
 
 from labkit.cache.block_manager import Block
-from labkit.grading import ExerciseFailed, exercise, integrity, require, rules, sandbox
-from labkit.grading.codec import CodecError, Decoder, Encoder, dumps, loads
-from labkit.grading.core import _REGISTRY, get_exercise, run_exercise
-from labkit.grading.forbidden import Tripwires, static_violations
-from labkit.grading.integrity import COURSE_ROOT
-from labkit.grading.remote import receive_frame, send_frame
-from labkit.grading.report import _cell, escape, format_table
 from labkit.sampling import filter_logits
+from labkit_course.grading import ExerciseFailed, exercise, integrity, require, rules, sandbox
+from labkit_course.grading.codec import CodecError, Decoder, Encoder, dumps, loads
+from labkit_course.grading.core import _REGISTRY, get_exercise, run_exercise
+from labkit_course.grading.forbidden import Tripwires, static_violations
+from labkit_course.grading.integrity import COURSE_ROOT
+from labkit_course.grading.remote import receive_frame, send_frame
+from labkit_course.grading.report import _cell, escape, format_table
 
 HOW = "bwrap" if sandbox.bwrap_problem() is None else "none"
 
@@ -52,7 +52,7 @@ def lab99():
 
 
 def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_mutations_come_back(tmp_path, lab99):
-    from labkit.grading.session import grade_contained, read_notebook
+    from labkit_course.grading.session import grade_contained, read_notebook
 
     def same_as_filter_logits(name):
         def grader(ns):
@@ -117,7 +117,7 @@ def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_muta
 
 def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp_path, lab99):
     """`kernel[grid](...)` on a proxy runs the launch in the student's process; outputs come back in place."""
-    from labkit.grading.session import grade_contained, read_notebook
+    from labkit_course.grading.session import grade_contained, read_notebook
 
     def launches(name):
         def grader(ns):
@@ -192,7 +192,7 @@ def test_the_codec_keeps_views_and_shared_objects_and_writes_back_in_place():
     ("node", "error"),
     [
         ({"t": "obj", "type": "os:system", "fields": {}}, "may not cross"),
-        ({"t": "obj", "type": "labkit.grading.labs.lab00:torch", "fields": {}}, "may not cross"),
+        ({"t": "obj", "type": "labkit_course.grading.labs.lab00:torch", "fields": {}}, "may not cross"),
         ({"t": "tensor", "storage": {"t": "storage", "device": "cpu", "b": "AAAA"}, "dtype": "float32",
           "shape": [100], "stride": [1], "offset": 0}, "reach outside its storage"),
         ({"t": "tensor", "storage": {"t": "storage", "device": "cpu", "b": ""}, "dtype": "os", "shape": [],
@@ -270,8 +270,8 @@ def _mounts(command: list[str]) -> list[tuple[str, ...]]:
 
 
 def test_a_kernel_is_given_labkit_and_its_python_never_the_checkout(monkeypatch, tmp_path):
-    """A course cloned under /tmp (as CI does) is bound onto the sandbox's fresh /tmp, but only its labkit
-    and environment: not .git, solutions/, notebooks/ or the reports; the graders are hidden."""
+    """A course cloned under /tmp (as CI does) is bound onto the sandbox's fresh /tmp, but only its two
+    packages and environment: not .git, solutions/, notebooks/ or the reports; the graders are hidden."""
     monkeypatch.setattr(sandbox, "COURSE_ROOT", Path("/tmp/ci/course"))
     monkeypatch.setattr(sandbox.sys, "prefix", "/tmp/ci/course/.venv")
     workdir = sandbox.Workdir.create(None)
@@ -280,10 +280,11 @@ def test_a_kernel_is_given_labkit_and_its_python_never_the_checkout(monkeypatch,
     finally:
         workdir.remove()
     binds = [m[1] for m in mounts if m[0] in ("--ro-bind", "--bind")]
-    assert "/tmp/ci/course/labkit" in binds and "/tmp/ci/course/.venv" in binds
+    assert {"/tmp/ci/course/labkit", "/tmp/ci/course/course/labkit_course", "/tmp/ci/course/.venv"} <= set(binds)
     assert not any(b in ("/tmp/ci/course", "/", "/tmp", "/root", "/home") for b in binds)
     labkit = mounts.index(("--ro-bind", "/tmp/ci/course/labkit", "/tmp/ci/course/labkit"))
-    assert mounts.index(("--tmpfs", "/tmp")) < labkit < mounts.index(("--tmpfs", "/tmp/ci/course/labkit/grading/labs"))
+    graders = mounts.index(("--tmpfs", "/tmp/ci/course/course/labkit_course/grading/labs"))
+    assert mounts.index(("--tmpfs", "/tmp")) < labkit < graders
     assert ("--tmpfs", str(workdir.home)) in mounts and ("--bind", str(workdir.channel), str(workdir.channel)) in mounts
     assert [m for m in mounts if m[0] == "--size"] == [("--size", str(sandbox.Limits().tmpfs_bytes))] * 3
     assert {("--unshare-net",), ("--unshare-pid",), ("--die-with-parent",), ("--new-session",)} <= set(mounts)
@@ -302,7 +303,7 @@ seen['ids'] = [os.getuid(), os.geteuid(), os.getgid(), os.getgroups()]
 seen['caps'] = [status[k].strip() for k in ('CapPrm', 'CapEff', 'CapBnd', 'CapAmb', 'NoNewPrivs')]
 course = sys.argv[1]
 attempt('course', lambda: sorted(os.listdir(course)))
-attempt('graders', lambda: sorted(os.listdir(course + '/labkit/grading/labs')))
+attempt('graders', lambda: sorted(os.listdir(course + '/course/labkit_course/grading/labs')))
 attempt('secret', lambda: open(sys.argv[2]).read())
 attempt('write_labkit', lambda: open(course + '/labkit/planted.py', 'w'))
 attempt('write_venv', lambda: open(sys.prefix + '/planted.pth', 'w'))
@@ -337,7 +338,8 @@ def test_a_sandboxed_process_has_no_privilege_and_sees_only_what_it_needs(tmp_pa
     if uid is not None:
         assert seen["ids"] == [uid, uid, uid, []], "as root, the kernel runs as a uid of its own"
     assert seen["caps"] == ["0000000000000000"] * 4 + ["1"], "no capabilities, and no way to gain any"
-    assert json.loads(seen["course"].replace("'", '"')) == sorted({"labkit", ".venv"} & set(os.listdir(COURSE_ROOT)))
+    bound = {"labkit", "course", ".venv"} & set(os.listdir(COURSE_ROOT))
+    assert json.loads(seen["course"].replace("'", '"')) == sorted(bound)
     assert seen["graders"] == "[]", "the graders and the knowledge checks' keys are not there"
     assert seen["secret"] == "FileNotFoundError"
     assert seen["write_labkit"] in ("OSError", "PermissionError") and seen["write_venv"] in ("OSError",
@@ -468,8 +470,8 @@ def test_deep_nesting_and_lying_arrays_are_refused_before_any_work():
 # --- the report: what a student names is shown, never obeyed --------------------------------------------
 
 def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
-    from labkit.grading.core import Outcome
-    from labkit.grading.report import LabReport
+    from labkit_course.grading.core import Outcome
+    from labkit_course.grading.report import LabReport
 
     name = "00_x\nstudent  00  softmax  1/1  ✔ forged\ntotal 93∕93\x1b[2K\u202e.ipynb"
     reports = [LabReport("00", name, [Outcome("00", "softmax", 0, 1, "wrong")], "mallory\nbob: total 93/93",
@@ -493,8 +495,8 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("import importlib, labkit.sampling\nimportlib.reload(labkit.sampling)", "importlib"),
     ("def top_k(x, k):\n    import sys\n    return sys._getframe(1).f_locals['wires']", "f_locals"),
     ("try:\n    1 / 0\nexcept Exception as e:\n    frame = e.__traceback__.tb_frame", "tb_frame"),
-    ("from labkit.grading.labs import lab06\nanswers = dict(lab06.QUESTIONS)", "labkit.grading.labs"),
-    ("from labkit import grading\nkey = grading.labs", "labkit.grading"),
+    ("from labkit_course.grading.labs import lab06\nanswers = dict(lab06.QUESTIONS)", "labkit_course.grading.labs"),
+    ("from labkit_course import grading\nkey = grading.labs", "labkit_course.grading"),
     ("import gc\nsaved = [o for o in gc.get_objects()]", "gc"),
     ("f = getattr(torch, '_' + 'C')", "getattr"),
     ("from torch import _C", "torch._C"),
@@ -553,7 +555,7 @@ def test_a_reference_handed_in_as_the_answer_itself_is_tripped():
 
 
 def test_the_static_check_reads_getattr_with_a_constant_name():
-    from labkit.grading.labs.lab00 import FORBIDDEN
+    from labkit_course.grading.labs.lab00 import FORBIDDEN
 
     source = "def softmax(x):\n    return getattr(torch.sparse, 'softmax')(x.to_sparse(), -1).to_dense()"
     assert static_violations(source, "softmax", FORBIDDEN) == ["torch.sparse.softmax"]
@@ -562,7 +564,7 @@ def test_the_static_check_reads_getattr_with_a_constant_name():
 
 
 def test_the_static_check_reads_the_real_definition_not_a_decoy_in_a_string():
-    from labkit.grading.remote import RemoteNamespace
+    from labkit_course.grading.remote import RemoteNamespace
 
     real = "def softmax(x):\n    return x.softmax(-1)"
     namespace = RemoteNamespace(None, [real, 'decoy = """\ndef softmax(x):\n    return x\n"""'])
@@ -576,8 +578,9 @@ def test_imports_are_read_through_their_aliases_and_module_attributes():
     assert rules.cell_violations("import os\nos.sys.modules['x'] = None")
     assert rules.cell_violations("import dataclasses\ndataclasses.inspect.getsource(f)")
     assert rules.cell_violations("import posix\nposix.system('id')")
-    assert rules.cell_violations("from unittest import mock\nmock.patch('labkit.grading.forbidden.Tripwires.armed')")
-    assert rules.cell_violations("import labkit.grading as G\nG.core.run_exercise") != []
+    assert rules.cell_violations("from unittest import mock\n"
+                                 "mock.patch('labkit_course.grading.forbidden.Tripwires.armed')")
+    assert rules.cell_violations("import labkit_course.grading as G\nG.core.run_exercise") != []
     assert rules.cell_violations("y = model.modules()\nimport torch.nn.functional as F\nF.relu(x)") == []
     course_cell = nbf.v4.new_code_cell("import subprocess, sys")  # a course cell may import what a student may not
     student = nbf.v4.new_notebook(cells=[course_cell, nbf.v4.new_code_cell("def f():\n    return subprocess.run(1)")])

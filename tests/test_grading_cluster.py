@@ -3,9 +3,9 @@
 import nbformat
 import pytest
 
-from labkit.grading import integrity, sandbox
-from labkit.grading.cluster import grade_remotely
-from labkit.grading.report import Options, grade_folder
+from labkit_course.grading import integrity, sandbox
+from labkit_course.grading.cluster import grade_remotely
+from labkit_course.grading.report import Options, grade_folder
 
 NO_SANDBOX = sandbox.bwrap_problem() is not None
 GOOD = "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n    return e / e.sum(-1, keepdim=True)"
@@ -42,7 +42,7 @@ def test_a_worker_with_another_course_is_refused(tmp_path):
 
 def test_a_scheduler_without_tls_is_refused(tmp_path):
     """Anyone who can connect to a Dask scheduler runs code on its workers: plain tcp:// is refused."""
-    from labkit.grading.cluster import grade_on_dask
+    from labkit_course.grading.cluster import grade_on_dask
 
     with pytest.raises(ValueError, match="without TLS"):
         grade_on_dask([], "tcp://127.0.0.1:8786", sandbox.Limits(), "none")

@@ -16,9 +16,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.grading import sandbox
-from labkit.grading.core import exercises
-from labkit.grading.integrity import COURSE_ROOT
+from labkit_course.grading import sandbox
+from labkit_course.grading.core import exercises
+from labkit_course.grading.integrity import COURSE_ROOT
 
 BWRAP = sandbox.bwrap_problem() is None
 
@@ -26,8 +26,8 @@ BWRAP = sandbox.bwrap_problem() is None
 @pytest.fixture(scope="module")
 def autograder(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zip") / "autograder.zip"
-    done = subprocess.run([sys.executable, "-m", "labkit.grading", "gradescope-zip", "--labs", "0", "--out", str(out)],
-                          cwd=COURSE_ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "labkit_course.grading", "gradescope-zip", "--labs", "0", "--out",
+                           str(out)], cwd=COURSE_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -61,7 +61,7 @@ def test_the_zip_holds_the_two_scripts_and_the_course(autograder):
         names = set(zipped.namelist())
         modes = {info.filename: info.external_attr >> 16 for info in zipped.infolist()}
         run = zipped.read("run_autograder").decode()
-    assert {"setup.sh", "run_autograder", "COURSE_COMMIT", "labkit/grading/session.py",
+    assert {"setup.sh", "run_autograder", "COURSE_COMMIT", "course/labkit_course/grading/session.py",
             "notebooks/00_setup.ipynb", "requirements.txt"} <= names
     assert not any(n.startswith(("solutions/", ".git", "tests/")) for n in names), "no answers in the zip"
     assert modes["setup.sh"] & 0o111 and modes["run_autograder"] & 0o111

@@ -5,14 +5,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
 import torch
 
-from labkit.grading import ExerciseFailed, check, sandbox
-from labkit.grading.core import Outcome, exercises, get_exercise, run_exercise
-from labkit.grading.report import (
+from labkit_course.grading import ExerciseFailed, check, sandbox
+from labkit_course.grading.core import Outcome, exercises, get_exercise, run_exercise
+from labkit_course.grading.report import (
     LabReport,
     Options,
     all_passed,
@@ -23,7 +24,7 @@ from labkit.grading.report import (
     summary,
     write_reports,
 )
-from labkit.grading.selfcheck import wiring_problems
+from labkit_course.grading.selfcheck import wiring_problems
 
 
 def good_softmax(x):
@@ -170,7 +171,7 @@ def test_the_command_says_in_words_that_it_graded_and_what_passed(tmp_path):
     _lab00(tmp_path / "ada", "def softmax(x):\n    return x")
     (tmp_path / "out").mkdir()
     report = tmp_path / "out" / "grades.json"  # --report may name a folder: the reports go in it
-    done = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path / "ada"), "--labs", "0",
+    done = subprocess.run([sys.executable, "-m", "labkit_course.grading", "grade", str(tmp_path / "ada"), "--labs", "0",
                            "--report", str(report.parent),
                            *([] if sandbox.bwrap_problem() is None else ["--no-sandbox"])],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -179,8 +180,8 @@ def test_the_command_says_in_words_that_it_graded_and_what_passed(tmp_path):
     assert "slowest: " in done.stdout and "graded ada 00 (00_setup.ipynb): 0/2 in" in done.stderr
     book = list(csv.reader(report.with_name("grades-gradebook.csv").open()))
     assert book == [["student", "lab 00 (out of 2)", "total (out of 2)"], ["ada", "0", "0"]]
-    bad = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(tmp_path / "ada"), "--labs", "99"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, "-m", "labkit_course.grading", "grade", str(tmp_path / "ada"), "--labs",
+                          "99"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no lab 99 in this course" in bad.stderr
 
 
@@ -204,7 +205,7 @@ def test_wiring_finds_graders_without_check_cells_and_check_cells_without_grader
 
 
 def test_execute_is_reproducible_and_keeps_machine_dependent_outputs(tmp_path):
-    from labkit.grading.execute import execute_in_place
+    from labkit_course.grading.execute import execute_in_place
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("for i in range(3):\n    print(i, flush=True)"),
@@ -223,9 +224,9 @@ def test_execute_is_reproducible_and_keeps_machine_dependent_outputs(tmp_path):
 
 
 def test_grading_skips_only_course_demonstrations_no_graded_name_depends_on():
-    from labkit.grading.plan import graded_names, skipped_cells
+    from labkit_course.grading.plan import graded_names, skipped_cells
 
-    course = ["import torch\nfrom labkit.grading import check", "scale = 2.0", "logits = torch.randn(5)",
+    course = ["import torch\nfrom labkit_course.grading import check", "scale = 2.0", "logits = torch.randn(5)",
               "demo = softmax(logits)\nprint(demo)", 'check("00", "softmax")', "def softmax(x):\n    raise "
               "NotImplementedError()", "tokens = list(range(3))\ntokens.append(4)"]
     handed_out = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in course])
@@ -246,10 +247,10 @@ def test_graders_read_only_the_names_grading_keeps_cells_for():
     """Skipping relies on it: a grader that `require`s another name would find it undefined."""
     import re
 
-    from labkit.grading.integrity import COURSE_ROOT
-    from labkit.grading.plan import graded_names
+    from labkit_course.grading import labs
+    from labkit_course.grading.plan import graded_names
 
-    for path in sorted((COURSE_ROOT / "labkit" / "grading" / "labs").glob("lab*.py")):
+    for path in sorted(Path(labs.__file__).parent.glob("lab*.py")):
         source = path.read_text()
         assert not re.search(r"require\(\s*\w+\s*,\s*[^\"'\s]", source), f"{path.name}: a name required by variable"
         required = set(re.findall(r"require\(\s*\w+\s*,\s*[\"'](\w+)[\"']", source))

@@ -3,7 +3,7 @@ named by its question number, with a pointer to re-read and without the right an
 
 import pytest
 
-from labkit.grading.core import get_exercise, run_exercise
+from labkit_course.grading.core import get_exercise, run_exercise
 
 # The right answers, worked out by hand from each lab (the graders compute the numbers from labkit).
 RIGHT = {
@@ -225,8 +225,8 @@ def test_every_lab_has_enough_wrong_answers():
 
 
 def test_feedback_never_states_the_answer():
-    from labkit.grading import ExerciseFailed
-    from labkit.grading.quiz import Choice, Number, grade_answers
+    from labkit_course.grading import ExerciseFailed
+    from labkit_course.grading.quiz import Choice, Number, grade_answers
 
     questions = {1: Number(123456.789, "part one"), 2: Choice("c", "part two")}
     with pytest.raises(ExerciseFailed) as failure:

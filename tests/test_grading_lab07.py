@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.grading.labs.lab07 import _reference_savings
+from labkit_course.grading.labs.lab07 import _reference_savings
 
 
 def test_lab07_claims():

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 from labkit.cache.block_manager import Block, BlockManager
 from labkit.engine import FinishReason, Scheduler, SchedulerConfig, Sequence
-from labkit.grading.labs.lab10 import (
+from labkit.sampling import SamplingParams
+from labkit_course.grading.labs.lab10 import (
     Active,
     _random_running,
     reference_choose_victim,
     reference_plan_running,
 )
-from labkit.sampling import SamplingParams
 
 
 def test_reference_victim_is_the_schedulers():

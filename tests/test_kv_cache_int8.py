@@ -77,7 +77,7 @@ def test_a_block_that_fills_over_time_grows_its_scale_and_never_clips():
 def test_decode_writes_follow_lab_13s_rule_head_by_head():
     """Token-by-token stores (decode) into a block whose heads grow at different steps give the codes and
     scales of Lab 13's reference rule, which the lab's exercise is graded against."""
-    from labkit.grading.labs.lab13 import reference_append_to_block
+    from labkit_course.grading.labs.lab13 import reference_append_to_block
 
     g = torch.Generator().manual_seed(5)
     storage = PagedKVStorage(1, 3, BLOCK, 3, 8, kv_cache_dtype="int8")

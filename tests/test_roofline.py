@@ -1,4 +1,4 @@
-"""labkit.roofline: step costs counted from a model's shape, checked against PyTorch's FLOP counter
+"""labkit_course.roofline: step costs counted from a model's shape, checked against PyTorch's FLOP counter
 and the model's own parameters; the machine measurements return sane numbers."""
 
 import dataclasses
@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.model.random_weights import SMOLLM2_135M, random_model
-from labkit.roofline import (
+from labkit_course.roofline import (
     decode_cost,
     engine_step_cost,
     measure_matmul_flops,

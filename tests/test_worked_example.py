@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import worked_example as we
+from labkit_course import worked_example as we
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from labkit.worked_example import DATA_PATH, DTYPE, attend, build_x, sinusoidal_positions
+from labkit_course.worked_example import DATA_PATH, DTYPE, attend, build_x, sinusoidal_positions
 
 VOCAB = ["<PAD>", "I", "love", "AI", "<EOS>"]
 PROMPT = ["I", "love"]

@@ -3,7 +3,7 @@
 import math
 
 from catalogue import Right, Wrong
-from labkit.grading.labs.lab02 import (
+from labkit_course.grading.labs.lab02 import (
     _component_counts,
     _critical_batch,
     _decode_cost,
@@ -67,7 +67,7 @@ WRONG = [
     Wrong("kv_cache_bytes", "an extra token", lambda **c: kv_product(**{**c, "seq_len": c["seq_len"] + 1}),
           "expected 2 x L"),
     Wrong("kv_cache_bytes", "imports the grader's formula", lambda **c: _kv_bytes(*c.values()),
-          "`_kv_bytes`", calls="labkit.grading.labs.lab02._kv_bytes"),
+          "`_kv_bytes`", calls="labkit_course.grading.labs.lab02._kv_bytes"),
     Wrong("matmul_intensity", "one FLOP per multiply-add", lambda m, k, n, b=2: intensity(m, k, n, b) / 2, "2 FLOPs"),
     Wrong("matmul_intensity", "divided by elements, not bytes", lambda m, k, n, b=2: intensity(m, k, n, 1),
           "divide by bytes"),
@@ -82,7 +82,7 @@ WRONG = [
           "integer division"),
     Wrong("matmul_intensity", "returned the FLOP count", lambda m, k, n, b=2: 2 * m * k * n, "expected 2mkn"),
     Wrong("matmul_intensity", "imports the grader's formula", lambda m, k, n, b=2: _intensity(m, k, n, b),
-          "`_intensity`", calls="labkit.grading.labs.lab02._intensity"),
+          "`_intensity`", calls="labkit_course.grading.labs.lab02._intensity"),
 ]
 
 
@@ -344,7 +344,7 @@ WRONG += [
           "should be an int"),
     Wrong("parameter_counts", "imports the grader's counter",
           lambda cfg: _component_counts(cfg), "`_component_counts`",
-          calls="labkit.grading.labs.lab02._component_counts"),
+          calls="labkit_course.grading.labs.lab02._component_counts"),
     Wrong("decode_intensity", "weights read once per sequence",
           decode_with(weight_bytes=lambda c, p, s, b: p * b * len(s)), "once per sequence"),
     Wrong("decode_intensity", "the erratum: no K/V reads", decode_with(kv_bytes=lambda c, p, s, b: 0),
@@ -378,7 +378,7 @@ WRONG += [
           decode_with(**{key: lambda c, p, s, b: math.nan for key in ("flops", "weight_bytes", "kv_bytes")}),
           "finite number"),
     Wrong("decode_intensity", "imports the grader's formula", lambda c, p, s, b=2: _decode_cost(c, p, s, b),
-          "`_decode_cost`", calls="labkit.grading.labs.lab02._decode_cost"),
+          "`_decode_cost`", calls="labkit_course.grading.labs.lab02._decode_cost"),
     Wrong("roofline", "max instead of min", roofline_with(attainable=lambda i, p, w: max(p, i * w)), "LOWER"),
     Wrong("roofline", "no compute ceiling", roofline_with(attainable=lambda i, p, w: i * w), "caps it"),
     Wrong("roofline", "always the peak", roofline_with(attainable=lambda i, p, w: p), "memory limits it"),
@@ -393,7 +393,7 @@ WRONG += [
           roofline_with(bound=lambda i, r: "memory"), "-bound, not memory-bound"),
     Wrong("roofline", "no argument checks", roofline_with(validate=False), "raise a ValueError"),
     Wrong("roofline", "imports the grader's roofline", lambda i, p, w: _roofline(i, p, w), "`_roofline`",
-          calls="labkit.grading.labs.lab02._roofline"),
+          calls="labkit_course.grading.labs.lab02._roofline"),
     Wrong("critical_batch", "the erratum: weights only", critical_batch_with(cost=weights_only_cost),
           "K/V reads were left out"),
     Wrong("critical_batch", "strictly above the ridge", critical_batch_with(compare=lambda i, r: i > r),
@@ -403,5 +403,5 @@ WRONG += [
     Wrong("critical_batch", "max_batch for never", critical_batch_with(none=4096), "return None"),
     Wrong("critical_batch", "ignores max_batch", critical_batch_with(limit=5000), "above max_batch"),
     Wrong("critical_batch", "imports the grader's search", lambda *a: _critical_batch(*a), "`_critical_batch`",
-          calls="labkit.grading.labs.lab02._critical_batch"),
+          calls="labkit_course.grading.labs.lab02._critical_batch"),
 ]

@@ -5,7 +5,7 @@ import math
 import torch
 
 from catalogue import Right, Wrong
-from labkit import worked_example as ref
+from labkit_course import worked_example as ref
 
 
 def future(scores):
@@ -93,7 +93,7 @@ WRONG = [
           "every token got PE[start]"),
     Wrong("build_x", "no range checks (a negative id wraps around)", build_x_with(checks=False), "token id -1"),
     Wrong("build_x", "calls labkit's worked example", lambda E, PE, ids, start=0: ref.build_x(E, PE, ids, start),
-          "`build_x`", calls="labkit.worked_example.build_x"),
+          "`build_x`", calls="labkit_course.worked_example.build_x"),
     Wrong("scaled_scores", "forgot to scale", lambda q, k: q @ k.T, "not divided by sqrt(d_k)"),
     Wrong("scaled_scores", "divided by d_k", lambda q, k: q @ k.T / k.shape[-1], "divided by d_k"),
     Wrong("scaled_scores", "hard-coded the example's sqrt(2)", lambda q, k: q @ k.T / math.sqrt(2),
@@ -105,7 +105,7 @@ WRONG = [
     Wrong("scaled_scores", "applied the softmax already", lambda q, k: (q @ k.T / math.sqrt(k.shape[-1])).softmax(-1),
           "the softmax was applied"),
     Wrong("scaled_scores", "calls labkit's worked example", lambda q, k: ref.scaled_scores(q, k),
-          "`scaled_scores`", calls="labkit.worked_example.scaled_scores"),
+          "`scaled_scores`", calls="labkit_course.worked_example.scaled_scores"),
     Wrong("causal_softmax", "mask hides the diagonal", lambda s: s.masked_fill(
         torch.ones_like(s, dtype=torch.bool).triu(0), float("-inf")).softmax(-1), "hides the diagonal"),
     Wrong("causal_softmax", "mask hides the diagonal with -1e9", lambda s: s.masked_fill(
@@ -120,7 +120,7 @@ WRONG = [
     Wrong("causal_softmax", "hides the past", lambda s: s.masked_fill(future(s).T, float("-inf")).softmax(-1),
           "hides the past"),
     Wrong("causal_softmax", "calls labkit's worked example", lambda s: ref.causal_softmax(s),
-          "`causal_softmax`", calls="labkit.worked_example.causal_softmax"),
+          "`causal_softmax`", calls="labkit_course.worked_example.causal_softmax"),
 ]
 
 

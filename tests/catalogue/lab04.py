@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from catalogue import Right, Wrong
-from labkit import worked_example as ref
+from labkit_course import worked_example as ref
 
 
 def attend(keys, values, q, scale=True, mask=False):
@@ -62,7 +62,7 @@ WRONG = [
     Wrong("embed_token", "rebuilt every row up to the position", lambda E, PE, t, p: E[[t] * (p + 1)] + PE[: p + 1],
           "should have shape (1, 3)"),
     Wrong("embed_token", "calls labkit's worked example", lambda E, PE, t, p: ref.build_x(E, PE, [t], start=p),
-          "`build_x`", calls="labkit.worked_example.build_x"),
+          "`build_x`", calls="labkit_course.worked_example.build_x"),
     Wrong("append_and_attend", "replaced the cache with the new row",
           lambda ck, cv, q, k, v: (k, v, attend(k, v, q)), "replaced instead of appended"),
     Wrong("append_and_attend", "appended along the feature axis",
@@ -88,7 +88,7 @@ WRONG = [
     Wrong("append_and_attend", "calls labkit's worked example",
           lambda ck, cv, q, k, v: (*appended(ck, cv, k, v), ref.attend(q, *appended(ck, cv, k, v))[2]),
           "`attend`",
-          calls="labkit.worked_example.attend"),
+          calls="labkit_course.worked_example.attend"),
     Wrong("append_and_attend", "attends with torch's SDPA", append_then_sdpa, "scaled_dot_product_attention",
           calls="torch.nn.functional.scaled_dot_product_attention"),
 ]
@@ -404,7 +404,7 @@ WRONG += [
           "re-projects the whole sequence"),
     Wrong("count_work", "calls labkit's counter",
           lambda n, m, *, cached: (we_projection_matvecs(n, m, cached=cached), counter()(n, m, cached=cached)[1]),
-          "`projection_matvecs`", calls="labkit.worked_example.projection_matvecs"),
+          "`projection_matvecs`", calls="labkit_course.worked_example.projection_matvecs"),
 ]
 
 
@@ -430,7 +430,7 @@ class BooksCachePerLayer:
 
 
 def replays_the_grader(model, prompt_ids, max_new_tokens, eos_id, clock):
-    from labkit.grading.labs.lab04 import _reference_generation
+    from labkit_course.grading.labs.lab04 import _reference_generation
 
     tokens, ttft, tpot, _ = _reference_generation(prompt_ids, max_new_tokens, eos_id, model.vocab_size,
                                                   model.prefill_ms, model.step_ms)
@@ -439,7 +439,7 @@ def replays_the_grader(model, prompt_ids, max_new_tokens, eos_id, clock):
 
 WRONG += [
     Wrong("GrowingKVCache", "stores through the book's KVCache", BooksCachePerLayer, "`append`",
-          calls="labkit.worked_example.KVCache.append"),
+          calls="labkit_course.worked_example.KVCache.append"),
     Wrong("generate_timed", "replays the grader's reference", replays_the_grader, "`_reference_generation`",
-          calls="labkit.grading.labs.lab04._reference_generation"),
+          calls="labkit_course.grading.labs.lab04._reference_generation"),
 ]

@@ -8,7 +8,7 @@ from catalogue import Right, Wrong
 from labkit.attention.reference import gather_kv, online_softmax_attention
 from labkit.cache.block_manager import BlockManager
 from labkit.cache.sequence_blocks import BlockSequence
-from labkit.grading.labs.lab07 import _reference_savings
+from labkit_course.grading.labs.lab07 import _reference_savings
 
 # ---- SimpleBlockAllocator
 
@@ -325,7 +325,7 @@ WRONG = [
     Wrong("SimpleBlockAllocator", "wraps labkit's BlockManager", ManagerAllocator,
           "`_take_free_block`", calls="labkit.cache.block_manager.BlockManager._take_free_block"),
     Wrong("calculate_memory_savings", "imports the grader's reference", lambda **kw: _reference_savings(**kw),
-          "`_reference_savings`", calls="labkit.grading.labs.lab07._reference_savings"),
+          "`_reference_savings`", calls="labkit_course.grading.labs.lab07._reference_savings"),
     Wrong("calculate_memory_savings", "paged memory not rounded to blocks",
           lambda **kw: savings(**kw, rounding="tokens"), "round each sequence up"),
     Wrong("calculate_memory_savings", "rounds the average length once", lambda **kw: savings(**kw, rounding="average"),

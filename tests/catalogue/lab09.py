@@ -3,7 +3,7 @@
 from catalogue import Right, Wrong
 from labkit.cache.block_manager import BlockManager, KVCacheExhausted, hash_block
 from labkit.cache.sequence_blocks import BlockSequence
-from labkit.grading.labs.lab09 import _reference_chain
+from labkit_course.grading.labs.lab09 import _reference_chain
 
 
 def chain(tokens, bs, chained=True, partial=False, start=None, whole_prefix=False, to_first=False):
@@ -275,7 +275,7 @@ WRONG = [
     Wrong("chain_hashes", "hard-coded blocks of 4", lambda t, bs: chain(t, 4), "other lengths or block sizes"),
     Wrong("chain_hashes", "returns a tuple", lambda t, bs: tuple(chain(t, bs)), "return a list"),
     Wrong("chain_hashes", "imports the grader's reference", lambda t, bs: _reference_chain(t, bs),
-          "`_reference_chain`", calls="labkit.grading.labs.lab09._reference_chain"),
+          "`_reference_chain`", calls="labkit_course.grading.labs.lab09._reference_chain"),
     Wrong("cached_prefix_blocks", "keeps going after a miss", lambda *a: lookup(*a, stop_at_miss=False),
           "after a miss nothing may hit"),
     Wrong("cached_prefix_blocks", "trusts the hash without checking tokens", lambda *a: lookup(*a, check_tokens=False),

@@ -7,7 +7,7 @@ from collections import deque
 from catalogue import Right, Wrong
 from labkit.cache.block_manager import BlockManager
 from labkit.cache.sequence_blocks import BlockSequence
-from labkit.grading.labs.lab10 import reference_schedule_step
+from labkit_course.grading.labs.lab10 import reference_schedule_step
 
 
 def can_append_by_blocks(num_tokens, num_blocks_held, block_size, num_free_blocks):
@@ -200,7 +200,7 @@ WRONG = [
     Wrong("schedule_step", "ignores max_num_seqs", lambda *a: schedule(*a, seats=False), "more than max_num_seqs"),
     Wrong("schedule_step", "imports the grader's reference", lambda *a: reference_schedule_step(*a),
           "`reference_schedule_step`",
-          calls="labkit.grading.labs.lab10.reference_schedule_step"),
+          calls="labkit_course.grading.labs.lab10.reference_schedule_step"),
     Wrong("choose_victim", "nano-vLLM's latest arrival, whatever its priority", lambda *a: victim(
         *a, order=lambda r: r.arrival), "ignored priorities"),
     Wrong("choose_victim", "nano-vLLM's most recently added (the end of running)", lambda *a: victim(

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from catalogue import Right, Wrong
-from labkit.grading.labs.lab12 import reference_decode_regimes, reference_kv_capacity
 from labkit.model.config import ModelConfig
 from labkit.model.kv_heads import pool_kv_heads as labkit_pool_kv_heads
 from labkit.model.perplexity import perplexity_from_logits
-from labkit.roofline import decode_cost
+from labkit_course.grading.labs.lab12 import reference_decode_regimes, reference_kv_capacity
+from labkit_course.roofline import decode_cost
 
 # ------------------------------------------------------------------------------------- decode_regimes
 
@@ -30,7 +30,8 @@ def _check_heads(config, kv_heads_list):
 
 def _decode_step(config, kv_heads, batch, context, dtype_bytes, *, weight_kv_heads=None, attention_heads=None,
                  weights_per_sequence=False):
-    """(FLOPs, bytes) of one decode step, labkit.roofline's accounting; the keywords switch a step to a mistake."""
+    """(FLOPs, bytes) of one decode step, labkit_course.roofline's accounting; the keywords switch a step to a
+    mistake."""
     hidden, layers, head_dim = config["hidden_size"], config["num_layers"], config["head_dim"]
     projections = hidden * (2 * config["num_heads"] + 2 * (weight_kv_heads or kv_heads)) * head_dim
     params = layers * (projections + 3 * hidden * config["intermediate_size"]) + config["vocab_size"] * hidden
@@ -84,7 +85,8 @@ def regimes_writing_config(config, kv_heads_list, *args):
 
 
 def regimes_with_labkit_costs(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2):
-    """labkit.roofline's decode_cost on a ModelConfig rebuilt from the dict: the pricing the exercise asks for."""
+    """labkit_course.roofline's decode_cost on a ModelConfig rebuilt from the dict: the pricing the exercise asks
+    for."""
     _check_heads(config, kv_heads_list)
 
     def step(kv_heads, batch, context):
@@ -320,13 +322,13 @@ WRONG = [
                       for h, grid in regimes_nested_loops(*a).items()},
           "\"memory\" or \"compute\""),
     Wrong("decode_regimes", "imports the grader's reference", lambda *a: reference_decode_regimes(*a),
-          "`reference_decode_regimes`", calls="labkit.grading.labs.lab12.reference_decode_regimes"),
+          "`reference_decode_regimes`", calls="labkit_course.grading.labs.lab12.reference_decode_regimes"),
     Wrong("decode_regimes", "head_dim derived as hidden_size / num_heads", regimes_derived_head_dim,
           "read head_dim from the config"),
     Wrong("decode_regimes", "writes each head count into the config", regimes_writing_config,
           "wrote into the config it was given"),
     Wrong("decode_regimes", "labkit's decode_cost on a rebuilt config", regimes_with_labkit_costs, "`decode_cost`",
-          calls="labkit.roofline.decode_cost"),
+          calls="labkit_course.roofline.decode_cost"),
     Wrong("kv_capacity", "writes defaults into the config",
           lambda config, *a: kv_capacity_arithmetic(config, *a) if config.update(hidden_size=1) is None else None,
           "wrote into the config it was given"),
@@ -347,7 +349,7 @@ WRONG = [
           "pair of ints"),
     Wrong("kv_capacity", "imports the grader's reference", lambda *a: reference_kv_capacity(*a),
           "`reference_kv_capacity`",
-          calls="labkit.grading.labs.lab12.reference_kv_capacity"),
+          calls="labkit_course.grading.labs.lab12.reference_kv_capacity"),
     Wrong("pool_kv_heads", "head_dim-major layout", pool_dim_major, "head-major"),
     Wrong("pool_kv_heads", "every new_num_kv_heads-th head in a group", pool_strided, "consecutive heads"),
     Wrong("pool_kv_heads", "sums instead of averaging", pool_sum, "don't add them up"),

@@ -6,7 +6,7 @@ from catalogue import Right, Wrong
 from labkit.engine.speculative import ngram_lookup
 from labkit.engine.speculative import verify_greedy as labkit_verify_greedy
 from labkit.engine.speculative import verify_sampled as labkit_verify_sampled
-from labkit.grading.labs.lab14 import reference_best_k
+from labkit_course.grading.labs.lab14 import reference_best_k
 
 
 # ---- propose_ngram ---------------------------------------------------------------------------
@@ -262,5 +262,5 @@ WRONG = [
     Wrong("verify_sampled", "a deterministic drafter taken as q = p", sampled_q_is_p, "q is one-hot on the draft"),
     Wrong("best_k", "the largest k on a tie", best_k_largest_on_a_tie, "on a tie return the smallest k"),
     Wrong("best_k", "calls the grader's reference", lambda a, c, m: reference_best_k(a, c, m), "`reference_best_k`",
-          calls="labkit.grading.labs.lab14.reference_best_k"),
+          calls="labkit_course.grading.labs.lab14.reference_best_k"),
 ]

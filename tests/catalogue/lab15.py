@@ -6,8 +6,8 @@ import torch
 
 from catalogue import Right, Wrong
 from labkit.attention.flash import attention_hbm_bytes
-from labkit.grading.labs.lab15 import reference_attention_traffic, reference_shard_linear
 from labkit.parallel.layers import shard_columns, shard_rows
+from labkit_course.grading.labs.lab15 import reference_attention_traffic, reference_shard_linear
 
 # --------------------------------------------------------------------------------------- shard_linear
 
@@ -289,7 +289,7 @@ WRONG = [
                                     shard_by_narrow(w, b, r, p, mode)[1]),
           "`shard_columns`", calls="labkit.parallel.layers.shard_columns"),
     Wrong("shard_linear", "imports the grader's reference", lambda *a: reference_shard_linear(*a),
-          "`reference_shard_linear`", calls="labkit.grading.labs.lab15.reference_shard_linear"),
+          "`reference_shard_linear`", calls="labkit_course.grading.labs.lab15.reference_shard_linear"),
     Wrong("row_parallel_forward", "bias added on every rank", row_forward_bias_each, "added once, after the sum"),
     Wrong("row_parallel_forward", "bias in rank 0's partial", row_forward_bias_rank0,
           "rank 0's partial includes the bias"),
@@ -326,7 +326,7 @@ WRONG = [
     Wrong("attention_traffic", "one head", traffic_with(heads=False), "multiply by num_heads"),
     Wrong("attention_traffic", "elements, not bytes", traffic_with(in_bytes=False), "multiply by dtype_bytes"),
     Wrong("attention_traffic", "imports the grader's reference", lambda *a: reference_attention_traffic(*a),
-          "`reference_attention_traffic`", calls="labkit.grading.labs.lab15.reference_attention_traffic"),
+          "`reference_attention_traffic`", calls="labkit_course.grading.labs.lab15.reference_attention_traffic"),
     Wrong("attention_traffic", "float byte counts", lambda *a: {k: float(v) for k, v in traffic_formula(*a).items()},
           "as ints"),
     Wrong("attention_traffic", "returns a tuple", lambda *a: tuple(traffic_formula(*a).values()), "return a dict"),

@@ -1,0 +1,217 @@
+"""No answers one import away: what an exercise forbids, enforced while the student's code runs.
+
+An exercise names dotted paths ("labkit.sampling.filter_logits", "torch.Tensor.softmax") that
+answer it. While the student's code is being graded each of them is replaced by a tripwire that
+fails the exercise with a message naming it, and so is every name the student bound to the same
+object in their own namespace (`from labkit.sampling import filter_logits as f`); everything is
+restored afterwards. A static look at the definition's source catches the forbidden names even on
+a path the tests do not exercise. This is a rule the course states, not a wall: code running in
+the student's own process can always undo a tripwire, and a hand copy of labkit's source passes.
+What stops a forged score is that the score is computed elsewhere (see `labkit_course.grading.remote`).
+"""
+
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
+from contextlib import contextmanager
+
+from labkit_course.grading.core import ExerciseFailed
+
+
+class ForbiddenCall(ExerciseFailed):
+    """The student's code used what the exercise asks them to write."""
+
+
+def explain(path: str) -> str:
+    name = path.rsplit(".", 1)[-1]
+    if path.startswith(("labkit.", "labkit_course.")):
+        return f"`{name}` is labkit's answer to this exercise: write your own"
+    return f"`{path}` is what this exercise asks you to write: build it from simpler operations"
+
+
+def resolve(path: str) -> tuple[object, str]:
+    """The object holding the last attribute of `path`, and that attribute's name."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for part in parts[split:-1]:
+            owner = getattr(owner, part)
+        if not hasattr(owner, parts[-1]):
+            break
+        return owner, parts[-1]
+    raise ValueError(f"forbidden path {path!r} names nothing importable")
+
+
+class Tripwires:
+    """Replaces the forbidden objects (and the student's aliases of them) while armed."""
+
+    def __init__(self, forbidden: tuple[str, ...]):
+        self.forbidden = tuple(forbidden)
+        self.tripped: list[str] = []
+        self._depth = 0
+        self._saved: list[tuple[object, str, bool, object]] = []  # owner, name, own attribute?, value
+        self._aliases: list[tuple[dict, str, object]] = []
+        self._captured: list = []  # how to restore defaults and closure cells that held a forbidden object
+
+    def _wire_captured(self, function, targets: dict[int, str]) -> None:
+        """`def f(x, _f=torch.softmax)` and closures keep their own reference: wire those too."""
+        defaults, kwdefaults, cells = _captures(function)
+        if any(id(v) in targets for v in defaults):
+            function.__defaults__ = tuple(self._wire(targets[id(v)]) if id(v) in targets else v for v in defaults)
+            self._captured.append(lambda: setattr(function, "__defaults__", defaults))
+        if any(id(v) in targets for v in kwdefaults.values()):
+            function.__kwdefaults__ = {k: self._wire(targets[id(v)]) if id(v) in targets else v
+                                       for k, v in kwdefaults.items()}
+            self._captured.append(lambda: setattr(function, "__kwdefaults__", kwdefaults))
+        for cell in cells:
+            try:
+                held = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if id(held) in targets:
+                cell.cell_contents = self._wire(targets[id(held)])
+                self._captured.append(lambda cell=cell, held=held: setattr(cell, "cell_contents", held))
+
+    def _wire(self, path: str):
+        def tripwire(*args, **kwargs):
+            self.tripped.append(path)
+            raise ForbiddenCall(explain(path))
+
+        tripwire.__name__ = path.rsplit(".", 1)[-1]
+        return tripwire
+
+    @contextmanager
+    def armed(self, *namespaces: dict, functions: tuple = ()):
+        """Tripwires in place for the duration, in the forbidden objects' homes, under every name bound to
+        them in `namespaces`, and in the default arguments and closures of `functions`; a function that is
+        itself a forbidden object is tripped at once. Nested arming is a no-op."""
+        if not self.forbidden or self._depth:
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+            return
+        self._depth += 1
+        try:
+            targets = {}
+            for path in self.forbidden:
+                owner, name = resolve(path)
+                original = getattr(owner, name)
+                targets[id(original)] = path
+                self._saved.append((owner, name, name in vars(owner), original))
+                setattr(owner, name, self._wire(path))
+            for namespace in {id(ns): ns for ns in namespaces}.values():
+                for key, value in list(namespace.items()):
+                    if id(value) in targets:
+                        self._aliases.append((namespace, key, value))
+                        namespace[key] = self._wire(targets[id(value)])
+            for function in functions:
+                self._wire_captured(function, targets)
+                held = getattr(function, "func", function)  # a functools.partial holds its function
+                if id(held) in targets:  # the student's definition *is* the reference (`f = labkit's f`)
+                    self.tripped.append(targets[id(held)])
+            yield self
+        finally:
+            self._depth -= 1
+            for restore in reversed(self._captured):
+                restore()
+            self._captured.clear()
+            for namespace, key, value in reversed(self._aliases):
+                namespace[key] = value
+            for owner, name, own, original in reversed(self._saved):
+                if own:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
+            self._aliases.clear()
+            self._saved.clear()
+
+
+def _captures(function) -> tuple:
+    """The default arguments and closure cells of a plain function (none for anything else)."""
+    return (getattr(function, "__defaults__", None) or (), getattr(function, "__kwdefaults__", None) or {},
+            getattr(function, "__closure__", None) or ())
+
+
+def guarded(wires: Tripwires, namespace: dict, value):
+    """The student's function (or class) with the tripwires armed whenever it runs (in-process grading)."""
+    if isinstance(value, type):
+        wrapped = {}
+        for klass in value.__mro__[:-1]:
+            for name, member in vars(klass).items():
+                if name not in wrapped and inspect.isfunction(member):
+                    wrapped[name] = guarded(wires, namespace, member)
+        return type(value.__name__, (value,), {**wrapped, "__module__": value.__module__})
+
+    @functools.wraps(value)
+    def call(*args, **kwargs):
+        with wires.armed(namespace, getattr(value, "__globals__", {}), functions=(value,)):
+            return value(*args, **kwargs)
+
+    return call
+
+
+def defines(source: str, name: str) -> bool:
+    """Whether the cell's code has a `def` or `class` statement named `name`."""
+    tree = _parse(source)
+    return tree is not None and any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                                    and node.name == name for node in ast.walk(tree))
+
+
+def static_violations(source: str, name: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Forbidden paths that the definition of `name` in `source` mentions (attribute or import)."""
+    tree = _parse(source)
+    if tree is None or not forbidden:
+        return []
+    definitions = [node for node in ast.walk(tree)
+                   if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name]
+    nodes = [n for d in definitions[-1:] for n in ast.walk(d)]
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Attribute):
+            candidates = [p for p in forbidden if p.rpartition(".")[2] == node.attr]
+            found += [_likeliest(_dotted(node), candidates)] if candidates else []
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):  # getattr(torch, "softmax")
+            candidates = [p for p in forbidden if p.rpartition(".")[2] == node.args[1].value]
+            found += [_likeliest(f"{_dotted(node.args[0])}.{node.args[1].value}", candidates)] if candidates else []
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                found += [p for p in forbidden if p.rpartition(".")[2] == alias.name
+                          and p.split(".")[0] == (node.module or "").split(".")[0]]
+    return list(dict.fromkeys(found))
+
+
+def _dotted(node: ast.expr) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    parts.append(node.id if isinstance(node, ast.Name) else "?")
+    return ".".join(reversed(parts))
+
+
+def _likeliest(dotted: str, candidates: list[str]) -> str:
+    """The forbidden path `x.softmax` most likely is: itself if spelled out, a method if on a variable."""
+    if dotted in candidates:
+        return dotted
+    base = dotted.split(".")[0]
+    if all(base != p.split(".")[0] for p in candidates):
+        methods = [p for p in candidates if p.split(".")[-2][:1].isupper()]
+        return (methods or candidates)[0]
+    return candidates[0]
+
+
+def _parse(source: str) -> ast.Module | None:
+    """The cell's Python, with IPython's magics and shell escapes blanked out."""
+    lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()]
+    try:
+        return ast.parse(textwrap.dedent("\n".join(lines)))
+    except (SyntaxError, ValueError):
+        return None
