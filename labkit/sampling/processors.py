@@ -25,8 +25,9 @@ def min_tokens_banned(params: SamplingParams, num_output_tokens: int, eos_token_
 
 
 def logit_offsets(params: Sequence[SamplingParams], num_output_tokens: Sequence[int], eos_token_id: int | None,
-                  vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """The additive tensor `[batch, vocab]` (float32) of the three processors, or None if no row needs one."""
+                  vocab_size: int) -> torch.Tensor | None:
+    """The additive tensor `[batch, vocab]` (float32, on the CPU) of the three processors, or None if no row
+    needs one."""
     banned = [min_tokens_banned(p, n, eos_token_id) for p, n in zip(params, num_output_tokens, strict=True)]
     if not any(p.logit_bias or p.allowed_token_ids is not None for p in params) and not any(banned):
         return None
@@ -41,4 +42,4 @@ def logit_offsets(params: Sequence[SamplingParams], num_output_tokens: Sequence[
             offsets[row, tokens] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
         if ban:
             offsets[row, torch.tensor(ban, dtype=torch.int64)] = NEG_INF
-    return offsets.to(device)
+    return offsets

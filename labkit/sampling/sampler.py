@@ -104,9 +104,9 @@ def gumbel_max(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return gumbel_scores(logits, uniforms).argmax(dim=-1)
 
 
-def _padded(rows: Sequence[Sequence[int]], device) -> torch.Tensor:
+def _padded(rows: Sequence[Sequence[int]]) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([list(r) + [PAD_ID] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return torch.tensor([list(r) + [PAD_ID] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -151,34 +151,37 @@ class SamplingMetadata:
                 f"params, prompt_token_ids and output_token_ids need one entry per row, got "
                 f"{len(params)}, {len(prompt_token_ids)} and {len(output_token_ids)}"
             )
-        column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        # Built on the CPU, then sent without waiting: a blocking copy to a GPU would first wait for the
+        # forward pass still running there, and the host work below would not overlap it.
+        to_device = lambda t: None if t is None else t.to(device, non_blocking=True)
+        column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype)
         random_seeds = torch.randint(0, 2**62, (len(params),)).tolist()
         seeds = [p.seed if p.seed is not None else fresh for p, fresh in zip(params, random_seeds, strict=True)]
         penalized = any(
             p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params
         )
         return cls(
-            temperature=column("temperature", torch.float64),
-            top_k=column("top_k", torch.int64),
-            top_p=column("top_p", torch.float64),
-            min_p=column("min_p", torch.float64),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            steps=torch.tensor([len(out) for out in output_token_ids], dtype=torch.int64, device=device),
-            prompt_token_ids=_padded(prompt_token_ids, device) if penalized else None,
-            output_token_ids=_padded(output_token_ids, device) if penalized else None,
-            repetition_penalty=column("repetition_penalty", torch.float32) if penalized else None,
-            presence_penalty=column("presence_penalty", torch.float32) if penalized else None,
-            frequency_penalty=column("frequency_penalty", torch.float32) if penalized else None,
-            logit_offsets=_offsets(params, output_token_ids, eos_token_id, vocab_size, device),
+            temperature=to_device(column("temperature", torch.float64)),
+            top_k=to_device(column("top_k", torch.int64)),
+            top_p=to_device(column("top_p", torch.float64)),
+            min_p=to_device(column("min_p", torch.float64)),
+            seeds=to_device(torch.tensor(seeds, dtype=torch.int64)),
+            steps=to_device(torch.tensor([len(out) for out in output_token_ids], dtype=torch.int64)),
+            prompt_token_ids=to_device(_padded(prompt_token_ids)) if penalized else None,
+            output_token_ids=to_device(_padded(output_token_ids)) if penalized else None,
+            repetition_penalty=to_device(column("repetition_penalty", torch.float32)) if penalized else None,
+            presence_penalty=to_device(column("presence_penalty", torch.float32)) if penalized else None,
+            frequency_penalty=to_device(column("frequency_penalty", torch.float32)) if penalized else None,
+            logit_offsets=to_device(_offsets(params, output_token_ids, eos_token_id, vocab_size)),
         )
 
 
-def _offsets(params, output_token_ids, eos_token_id, vocab_size, device) -> torch.Tensor | None:
+def _offsets(params, output_token_ids, eos_token_id, vocab_size) -> torch.Tensor | None:
     if vocab_size is None:
         if any(p.logit_bias or p.allowed_token_ids is not None or p.min_tokens > 0 for p in params):
             raise ValueError("vocab_size is needed for logit_bias, allowed_token_ids or min_tokens")
         return None
-    return logit_offsets(params, [len(out) for out in output_token_ids], eos_token_id, vocab_size, device)
+    return logit_offsets(params, [len(out) for out in output_token_ids], eos_token_id, vocab_size)
 
 
 class NothingToSample(ValueError):
