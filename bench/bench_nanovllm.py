@@ -14,7 +14,7 @@ each row generating the batch's longest requested output; its throughput counts 
 only, as labkit's does.
 
 The report places the run on the GPU's roofline: the bytes it must move (every weight once a step,
-every cached K/V a step reads) and the FLOPs it must do (labkit.roofline's count of each recorded
+every cached K/V a step reads) and the FLOPs it must do (labkit_course.roofline's count of each recorded
 step), over the measured copy bandwidth and bf16 matmul rate. A host-time breakdown says where the
 wall time went (scheduling, preparing inputs, waiting for the GPU, sampling, appending tokens), and
 `--profile` adds torch.profiler's top kernels over a short run.
@@ -208,8 +208,8 @@ def gpu_peaks(device: torch.device) -> tuple[float, float]:
 
 
 def roofline(config: ModelConfig, steps, dtype_bytes: int) -> tuple[float, float]:
-    """(bytes moved, FLOPs) the recorded steps need at least (labkit.roofline's count per step)."""
-    from labkit.roofline import engine_step_cost
+    """(bytes moved, FLOPs) the recorded steps need at least (labkit_course.roofline's count per step)."""
+    from labkit_course.roofline import engine_step_cost
 
     costs = [engine_step_cost(config, q, k, scored, dtype_bytes) for q, k, scored in steps]
     return sum(c.bytes_moved for c in costs), sum(c.flops for c in costs)
