@@ -26,7 +26,7 @@ test drift selfcheck grade: export PYTHONDONTWRITEBYTECODE = 1
 # Jupyter refuses to start as root (containers, some cloud machines) unless told it is meant.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
-.PHONY: help setup lab notebooks execute test drift selfcheck grade check gradescope bench bench-peers demo gpu-check serve clean
+.PHONY: help setup lab notebooks execute test drift selfcheck grade check gradescope bench bench-peers demo gpu-check bench-gpu serve clean
 
 help:
 	@echo "make setup               install everything into .venv (make lab and make check do it when needed)"
@@ -45,6 +45,8 @@ help:
 	@echo "make demo                SmolLM2 answers a few questions through the engine, with its metrics"
 	@echo "make gpu-check           on a CUDA machine, with its own torch: kernels, parity, notebooks, speed"
 	@echo "                         -> reports/gpu/<date>-<gpu>.md (GPU_PYTHON=python3, GPU_CHECK_ARGS=--dry-run)"
+	@echo "make bench-gpu           on a CUDA machine: nano-vLLM's benchmark (Qwen3-0.6B, 256 requests) against transformers"
+	@echo "                         -> reports/gpu/<date>-<gpu>-nanovllm.md (BENCH_GPU_ARGS=--profile, --tiny on a CPU)"
 	@echo "make serve               an OpenAI-compatible server on 127.0.0.1:8000 (SERVE_ARGS=... for options)"
 	@echo "make clean               remove .venv and the reports"
 
@@ -122,8 +124,11 @@ demo: setup
 
 # Runs with the machine's own Python and torch (no venv, nothing reinstalled); labkit from this checkout.
 GPU_PYTHON ?= python3
+GPU_PYTHONPATH = PYTHONPATH=$(CURDIR):$(CURDIR)/course$${PYTHONPATH:+:$$PYTHONPATH}
 gpu-check:
-	PYTHONPATH=$(CURDIR):$(CURDIR)/course$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+	$(GPU_PYTHONPATH) $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+bench-gpu:
+	$(GPU_PYTHONPATH) $(GPU_PYTHON) bench/bench_nanovllm.py $(BENCH_GPU_ARGS)
 serve: setup
 	OMP_NUM_THREADS=$(NPROC) $(BIN)/labkit serve $(SERVE_ARGS)
 
