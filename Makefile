@@ -9,8 +9,8 @@ comma := ,
 REPORT ?= reports/grades$(if $(ONLY),-$(subst $(comma),-,$(ONLY))).json
 JOBS ?= 2
 # The engine's benchmark prints the course's headline ratio, so it runs last; bench_peers.py needs
-# llama.cpp built first (`make bench-peers`).
-BENCHES := $(filter-out bench/bench_engine.py bench/bench_peers.py,$(wildcard bench/bench_*.py)) \
+# llama.cpp built first (`make bench-peers`), bench_nanovllm.py a GPU (`make bench-gpu`).
+BENCHES := $(filter-out bench/bench_engine.py bench/bench_peers.py bench/bench_nanovllm.py,$(wildcard bench/bench_*.py)) \
 	$(wildcard bench/bench_engine.py)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
