@@ -45,6 +45,7 @@ from labkit.model.config import ModelConfig  # noqa: E402
 from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model  # noqa: E402
 from labkit.model.transformers_oracle import transformers_twin  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
+from labkit.timing import measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # gpu_check's measurements
@@ -146,13 +147,8 @@ class StepTimer:
 
 
 def timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    """Seconds of one call of fn, to the end of its GPU work."""
+    return measure(fn, repeats=1, warmup=0, device=device).median
 
 
 @dataclasses.dataclass
@@ -203,7 +199,7 @@ def gpu_peaks(device: torch.device) -> tuple[float, float]:
     from gpu_check import copy_bandwidth
 
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
-    matmul = min(timed(lambda: a @ b, device) for _ in range(5))
+    matmul = measure(lambda: a @ b, repeats=5, warmup=1, device=device).best
     return copy_bandwidth(device), 2 * 8192**3 / matmul
 
 

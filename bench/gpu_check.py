@@ -325,19 +325,13 @@ def speed(section: Section, device, source: str) -> None:
 
     from labkit.engine import LLM
     from labkit.sampling import SamplingParams
+    from labkit.timing import measure
 
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_engine import hf_generate, workload
 
     prompts, outputs = workload(64, 0, (16, 96), (8, 128))
     total = sum(outputs)
-
-    def timed(fn) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     section.lines.append(f"workload: 64 requests, prompts 16-96 tokens, outputs 8-128 tokens ({total} tokens)")
@@ -347,11 +341,11 @@ def speed(section: Section, device, source: str) -> None:
         for graphs in (True, False):
             llm = LLM(model, tokenizer=tokenizer, max_num_seqs=64, max_num_batched_tokens=2048, use_cuda_graph=graphs)
             llm.generate(prompts[:2], params[:2])  # warm-up: compiles the kernels
-            figures[graphs] = total / timed(lambda llm=llm: llm.generate(prompts, params))
+            figures[graphs] = total / measure(lambda llm=llm: llm.generate(prompts, params), 1, 0, device).median
             del llm
             free_memory()
         hf_generate(hf, prompts[:2], 2)
-        hf_rate = total / timed(lambda hf=hf: hf_generate(hf, prompts, max(outputs)))
+        hf_rate = total / measure(lambda hf=hf: hf_generate(hf, prompts, max(outputs)), 1, 0, device).median
         section.lines.append(f"- {dtype}: labkit {figures[True]:.0f} output tok/s with CUDA graphs, "
                              f"{figures[False]:.0f} without; transformers generate (one padded batch of 64) "
                              f"{hf_rate:.0f}; throughput ratio labkit/transformers: {figures[True] / hf_rate:.2f}")
@@ -366,15 +360,11 @@ def copy_bandwidth(device) -> float:
     """Bytes/s a large device-to-device copy reaches (read + write): the achievable side of the peak."""
     import torch
 
+    from labkit.timing import measure
+
     src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 20 / (time.perf_counter() - start)
+    return 2 * src.numel() / measure(lambda: dst.copy_(src), repeats=20, warmup=1, device=device).median
 
 
 def lab08_bandwidth_output() -> str:
