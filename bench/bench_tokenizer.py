@@ -1,6 +1,6 @@
 """Encode throughput of labkit's tokenizer against HF `tokenizers`, and BPE training time.
 
-Both encode the same ~1 MB English text (labkit/data/jargon_file_4.4.7.txt) with SmolLM2's
+Both encode the same ~1 MB English text (datasets/jargon_file_4.4.7.txt) with SmolLM2's
 vocabulary, single-threaded, as one string per line; the best of several runs counts.
 Goal: labkit at least 1/3 of HF's speed. Run: `python bench/bench_tokenizer.py`.
 """
@@ -17,9 +17,9 @@ from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from labkit.data import JARGON_FILE, data_path  # noqa: E402
 from labkit.registry import resolve_model_path  # noqa: E402
 from labkit.tokenizer import load_tokenizer, train  # noqa: E402
+from labkit_course.data import JARGON_FILE, data_path  # noqa: E402
 
 CORPUS = data_path(JARGON_FILE)
 

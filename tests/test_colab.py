@@ -11,7 +11,7 @@ from fresh_env import copy_checkout, fresh_venv, offline_env
 
 from labkit_course.course import colab_setup_cell
 
-CHECK = ("\nimport labkit, labkit.data as d, labkit_course\nprint('labkit from', labkit.__file__)\n"
+CHECK = ("\nimport labkit, labkit_course, labkit_course.data as d\nprint('labkit from', labkit.__file__)\n"
          "print('course from', labkit_course.__file__)\nprint('data', d.data_path(d.JARGON_FILE).is_file())\n")
 COURSE_FROM = "course from {}/course/labkit_course/__init__.py"
 

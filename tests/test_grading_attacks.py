@@ -47,7 +47,7 @@ def _course_copy(root: Path) -> Path:
     and the rules are best effort, so the sandbox must contain what it starts all the same; attack
     notebooks include it verbatim and call `run` from their own cells to show that it does."""
     course = root / "course"
-    for package in ("labkit", "course/labkit_course"):
+    for package in ("labkit", "course/labkit_course", "datasets"):
         shutil.copytree(COURSE_ROOT / package, course / package, ignore=shutil.ignore_patterns("__pycache__"))
     for folder in ("solutions", "notebooks"):
         shutil.copytree(COURSE_ROOT / folder, course / folder)

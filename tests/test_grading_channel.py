@@ -280,7 +280,8 @@ def test_a_kernel_is_given_labkit_and_its_python_never_the_checkout(monkeypatch,
     finally:
         workdir.remove()
     binds = [m[1] for m in mounts if m[0] in ("--ro-bind", "--bind")]
-    assert {"/tmp/ci/course/labkit", "/tmp/ci/course/course/labkit_course", "/tmp/ci/course/.venv"} <= set(binds)
+    assert {"/tmp/ci/course/labkit", "/tmp/ci/course/course/labkit_course", "/tmp/ci/course/datasets",
+            "/tmp/ci/course/.venv"} <= set(binds)
     assert not any(b in ("/tmp/ci/course", "/", "/tmp", "/root", "/home") for b in binds)
     labkit = mounts.index(("--ro-bind", "/tmp/ci/course/labkit", "/tmp/ci/course/labkit"))
     graders = mounts.index(("--tmpfs", "/tmp/ci/course/course/labkit_course/grading/labs"))
@@ -338,7 +339,7 @@ def test_a_sandboxed_process_has_no_privilege_and_sees_only_what_it_needs(tmp_pa
     if uid is not None:
         assert seen["ids"] == [uid, uid, uid, []], "as root, the kernel runs as a uid of its own"
     assert seen["caps"] == ["0000000000000000"] * 4 + ["1"], "no capabilities, and no way to gain any"
-    bound = {"labkit", "course", ".venv"} & set(os.listdir(COURSE_ROOT))
+    bound = {"labkit", "course", "datasets", ".venv"} & set(os.listdir(COURSE_ROOT))
     assert json.loads(seen["course"].replace("'", '"')) == sorted(bound)
     assert seen["graders"] == "[]", "the graders and the knowledge checks' keys are not there"
     assert seen["secret"] == "FileNotFoundError"

@@ -1,7 +1,7 @@
 """labkit and the course's package install anywhere: wheels built from this checkout (labkit, and
 labkit-course from course/), installed (not editable) into a fresh virtualenv, run Lab 03's solution
-notebook and `LLM("smollm2")` from a folder outside the repository. The data files travel inside a
-package, found through importlib.resources."""
+notebook and `LLM("smollm2")` from a folder outside the repository. The course's data (the
+repository's datasets/) travels inside the course's wheel, and a checkout reads datasets/ itself."""
 
 import subprocess
 import sys
@@ -39,31 +39,41 @@ def run(bin_dir, cwd, code: str) -> str:
 def test_the_wheels_carry_the_data_and_the_license_and_the_engine_no_grader(installed):
     _, _, wheel, course_wheel = installed
     names = zipfile.ZipFile(wheel).namelist()
-    for data in ("jargon_file_4.4.7.txt", "worked_example.json", "heldout_essay.txt", "README.md",
-                 "build_worked_example.py"):
-        assert f"labkit/data/{data}" in names
     kernels = ("paged_decode.c", "gemm_f32.c", "gemm_bf16.c", "int8_dot.c", "fused_decode.c", "simd.h", "gemm_tiles.h")
     assert {f"labkit/kernels/{name}" for name in kernels} <= set(names)  # compiled from them at first use
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in metadata
     assert "Requires-Dist: triton>=3.0; platform_system == \"Linux\"" in metadata
     assert any(n.endswith("licenses/LICENSE") for n in names)
-    assert not any(n.startswith("labkit_course/") or "grading" in n for n in names), "the engine alone"
+    assert not any(n.startswith(("labkit_course/", "labkit/data/")) or "grading" in n for n in names), \
+        "the engine alone, without the course's tooling or data"
     course_names = zipfile.ZipFile(course_wheel).namelist()
     assert {"labkit_course/grading/sandbox.py", "labkit_course/grading/labs/lab01.py",
-            "labkit_course/worked_example.py"} <= set(course_names)
+            "labkit_course/worked_example.py", "labkit_course/build_worked_example.py"} <= set(course_names)
+    for data in ("jargon_file_4.4.7.txt", "worked_example.json", "heldout_essay.txt", "README.md"):
+        assert f"labkit_course/datasets/{data}" in course_names
     metadata = zipfile.ZipFile(course_wheel).read(next(n for n in course_names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: labkit" in metadata
 
 
-def test_an_installed_labkit_finds_its_data_outside_the_repository(installed):
+def test_an_installed_course_finds_its_data_outside_the_repository(installed):
     bin_dir, outside, *_ = installed
-    out = run(bin_dir, outside, "import labkit, labkit.data as d; print(labkit.__file__); "
-                                "print(len(d.data_path(d.JARGON_FILE).read_bytes())); "
+    out = run(bin_dir, outside, "import labkit, labkit_course.data as d; print(labkit.__file__); "
+                                "path = d.data_path(d.JARGON_FILE); print(path, len(path.read_bytes())); "
                                 "from labkit_course.grading.labs import lab01; print(lab01._CORPUS.is_file())")
-    location, size, grader_sees_it = out.split()
+    location, data, size, grader_sees_it = out.split()
     assert "site-packages" in location and str(outside.parent / "venv") in location
+    assert data.endswith("site-packages/labkit_course/datasets/jargon_file_4.4.7.txt"), data
     assert size == "999869" and grader_sees_it == "True"
+
+
+def test_a_checkout_reads_the_data_from_its_datasets_folder():
+    """An editable install (make setup) or the checkout on sys.path: no copy inside the package."""
+    from labkit_course.data import JARGON_FILE, data_path
+
+    assert data_path(JARGON_FILE) == ROOT / "datasets" / JARGON_FILE
+    with pytest.raises(FileNotFoundError, match="jargon_file_4.4.7.txt"):
+        data_path("no_such_file.txt")
 
 
 def test_lab03_solution_runs_from_an_installed_labkit(installed):

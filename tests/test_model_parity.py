@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from labkit.cache import KVCache, PreallocatedKVCache
-from labkit.data import HELDOUT_ESSAY, data_path
 from labkit.model import generate, load_model
 from labkit.model.perplexity import perplexity
 from labkit.model.transformers_oracle import load_transformers_model
+from labkit_course.data import HELDOUT_ESSAY, data_path
 
 PROMPTS = [
     "The capital of France is",

@@ -8,7 +8,6 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit.data import JARGON_FILE, data_path
 from labkit.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -20,6 +19,7 @@ from labkit.tokenizer import (
     train_merges,
 )
 from labkit.tokenizer.pretokenize import PATTERNS
+from labkit_course.data import JARGON_FILE, data_path
 
 CORPUS = data_path(JARGON_FILE)
 SAMPLE = CORPUS.read_text(encoding="utf-8")[:40_000]

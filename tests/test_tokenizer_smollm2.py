@@ -14,9 +14,9 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit.data import JARGON_FILE, data_path
 from labkit.registry import resolve_model_path
 from labkit.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from labkit_course.data import JARGON_FILE, data_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -33,7 +33,7 @@ def same_up_to_rounding(a, b) -> bool:
 
 
 def test_json_is_what_the_build_script_writes():
-    from labkit.data import build_worked_example as build
+    from labkit_course import build_worked_example as build
 
     text = we.DATA_PATH.read_text()
     assert build.to_json(json.loads(text)) == text, "the file is laid out as the script writes it"

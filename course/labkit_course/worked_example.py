@@ -2,7 +2,7 @@
 
 A 5-token vocabulary, d_model = 4, one layer with 2 attention heads of d_k = 2: the prompt "I love"
 is prefilled and "AI" predicted, then tokens are decoded one at a time with a KV cache. The weights
-and the numbers the book prints live in `labkit/data/worked_example.json`, each weight with its
+and the numbers the book prints live in `datasets/worked_example.json`, each weight with its
 provenance (printed by the book, or constructed to agree with what it prints). Labs 03 and 04 and
 their graders compare against the functions here.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from labkit.data import WORKED_EXAMPLE, data_path
+from labkit_course.data import WORKED_EXAMPLE, data_path
 
 DATA_PATH = data_path(WORKED_EXAMPLE)
 DTYPE = torch.float64

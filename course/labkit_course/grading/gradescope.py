@@ -19,7 +19,8 @@ from pathlib import Path
 from labkit_course.grading.integrity import COURSE_ROOT, course_commit
 from labkit_course.grading.report import Options, escape, grade_students, lab_of, summary
 
-COURSE_FILES = ("labkit", "course", "notebooks", "pyproject.toml", "requirements.txt", "LICENSE", "README.md")
+COURSE_FILES = ("labkit", "course", "datasets", "notebooks", "pyproject.toml", "requirements.txt", "LICENSE",
+                "README.md")
 SETUP = """#!/usr/bin/env bash
 # Gradescope runs this once, as root, to build the autograder's image (its Ubuntu 22.04 or 24.04 base).
 set -euo pipefail

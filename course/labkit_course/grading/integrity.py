@@ -23,8 +23,8 @@ import labkit
 COURSE_ROOT = Path(labkit.__file__).resolve().parents[1]
 # What grading trusts in the checkout: the code and graders, the handed-out notebooks (their cells are
 # exempt from the course rules), and git's own configuration and hooks (commands git would run).
-WATCHED = ("labkit", "course", "notebooks", "Makefile", "pyproject.toml", "requirements.txt", ".git/config",
-           ".git/hooks")
+WATCHED = ("labkit", "course", "datasets", "notebooks", "Makefile", "pyproject.toml", "requirements.txt",
+           ".git/config", ".git/hooks")
 STARTUP_FILES = ("sitecustomize.py", "usercustomize.py")
 
 

@@ -39,8 +39,9 @@ FIRST_UID = 64100  # as root, uids FIRST_UID.. are handed to kernels, one per co
 KEPT_ENV = ("PATH", "LANG", "LC_ALL", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES")
 CONFINE = Path(__file__).with_name("confine.py")
 # The checkout's folders a kernel reads (never the whole checkout): the engine and the course's package,
-# imported from the folders on its PYTHONPATH; the graders and the knowledge checks' keys are hidden.
-KERNEL_READS = (Path("labkit"), Path("course", "labkit_course"))
+# imported from the folders on its PYTHONPATH, and the course's data; the graders and the knowledge
+# checks' keys are hidden.
+KERNEL_READS = (Path("labkit"), Path("course", "labkit_course"), Path("datasets"))
 IMPORT_ROOTS = (Path("."), Path("course"))
 GRADERS = Path("course", "labkit_course", "grading", "labs")
 ETC_NEEDED = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime")

@@ -3,9 +3,9 @@
 import random
 from collections import Counter
 
-from labkit.data import JARGON_FILE, data_path
 from labkit.tokenizer import Tokenizer, merge_pair, pair_counts, pretokenize, train
 from labkit.tokenizer.bpe import learned_vocab
+from labkit_course.data import JARGON_FILE, data_path
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
 
 _CORPUS = data_path(JARGON_FILE)

@@ -7,7 +7,7 @@ reproduce those results and records how. Each missing matrix solves an underdete
 A W = B (two prompt rows, more unknowns), and we take its minimum-norm exact solution W = pinv(A) B:
 the smallest weights that agree with the book.
 
-Run:  python -m labkit.data.build_worked_example
+Run:  python -m labkit_course.build_worked_example
 """
 
 import json
@@ -114,7 +114,7 @@ def build() -> dict:
     return {
         "description": "The tiny one-layer, two-head model of the book's chapter 10 worked example "
                        "(seed 002, §10.3-10.4), and every number the book prints for it.",
-        "built_by": "labkit/data/build_worked_example.py",
+        "built_by": "course/labkit_course/build_worked_example.py",
         "vocab": VOCAB,
         "prompt": PROMPT,
         "weights": {name: {"source": source, "how": how, "values": value.tolist()}
