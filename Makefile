@@ -72,6 +72,7 @@ execute: setup
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest tests -q -n $(JOBS) --dist loadfile
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --nbval --nbval-current-env \
 		--nbval-sanitize-with .nbval_sanitize.cfg solutions

@@ -42,10 +42,10 @@ def test_a_bad_option_is_refused_before_loading_anything():
 
 
 def fake_tools(tmp_path: Path) -> Path:
-    """A bin/ folder whose jupyter, ruff and python print their arguments and the thread setting."""
+    """A bin/ folder whose jupyter, ruff, lint-imports and python print their arguments and the thread setting."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("jupyter", "ruff", "python"):
+    for name in ("jupyter", "ruff", "lint-imports", "python"):
         script = bin_dir / name
         script.write_text(f'#!/bin/sh\necho "{name} $*"\necho "OMP_NUM_THREADS=${{OMP_NUM_THREADS:-unset}}"\n')
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -68,5 +68,5 @@ def test_make_lab_allows_root_only_when_root_and_keeps_every_thread(tmp_path):
 
 def test_make_test_runs_one_thread_per_process(tmp_path):
     out = run_make("test", tmp_path)
-    assert "ruff check ." in out and "python -m pytest tests" in out
+    assert "ruff check ." in out and "lint-imports" in out and "python -m pytest tests" in out
     assert out.count("OMP_NUM_THREADS=1") == out.count("OMP_NUM_THREADS=") >= 3
