@@ -16,6 +16,7 @@ warns and runs eagerly.
 import torch
 
 from labkit.attention.metadata import AttentionMetadata
+from labkit.model.layers import fused_elementwise
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> list[int]:
@@ -34,6 +35,7 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: in
 class DecodeGraphs:
     """The CUDA `FastPath` (fast_path.py): decode steps replayed from graphs; other steps run eagerly."""
 
+    @fused_elementwise()  # the recorded steps run the engine's fused element-wise kernels
     def __init__(self, model, backend, sizes: list[int], max_blocks_per_seq: int, max_model_len: int):
         dev = model.device
         self.model, self.backend = model, backend

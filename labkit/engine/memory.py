@@ -20,6 +20,7 @@ import torch
 from labkit.attention.dense import dense_attention
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
+from labkit.model.layers import fused_elementwise
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 OTHERS_HOLD_GPU_BYTES = 2 * 2**30  # a CUDA context takes well under this; more means another process
@@ -87,6 +88,7 @@ def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, *, profil
 
 
 @torch.inference_mode()
+@fused_elementwise()  # as the engine's steps run
 def _dummy_step(model, num_tokens: int, num_seqs: int) -> None:
     """A forward pass shaped like a step of `num_seqs` sequences and `num_tokens` new tokens."""
     lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]

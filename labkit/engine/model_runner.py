@@ -28,6 +28,7 @@ from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.engine.fast_path import FastPath
 from labkit.engine.sequence import Sequence
+from labkit.model.layers import fused_elementwise
 from labkit.sampling import Sampler, SamplingMetadata, greedy_tokens
 
 
@@ -130,10 +131,12 @@ class ModelRunner:
         return StepInputs(input_ids.to(dev), positions.to(dev), meta, sample_rows.to(dev), sampled_seqs)
 
     @torch.inference_mode()
+    @fused_elementwise()
     def forward(self, seqs: list[Sequence], num_new_tokens: list[int],
                 num_scored: list[int] | None = None) -> ForwardOutput:
         """One forward step: fp32 logits of the sequences due a next token (`num_scored` rows each,
-        see `prepare`), and any prompt logits asked for."""
+        see `prepare`), and any prompt logits asked for. On a GPU in half precision the model's
+        element-wise chains run fused (labkit.model.layers.fused_elementwise)."""
         step = self.prepare(seqs, num_new_tokens, num_scored)
         fast = self.fast_path
         if (fast is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)

@@ -19,7 +19,8 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-@exercise("05", "rms_norm", forbidden=("labkit.model.layers.RMSNorm.forward", "torch.nn.functional.rms_norm",
+@exercise("05", "rms_norm", forbidden=("labkit.model.layers.RMSNorm.forward", "labkit.model.layers.rms_norm",
+                                         "torch.nn.functional.rms_norm",
                                          "torch.nn.RMSNorm.forward", "labkit_course.grading.labs.lab05._rms"))
 def rms_norm(ns):
     fn = require(ns, "rms_norm")
@@ -230,8 +231,8 @@ def _attention_steps(fn, hq, hkv, seed):
 
 # ---- the SwiGLU MLP with merged gate/up weights ----------------------------------------------------
 
-_LAYER_FORWARDS = ("labkit.model.layers.MLP.forward", "labkit.model.layers.DecoderLayer.forward",
-                   "labkit.model.layers.Attention.forward")
+_LAYER_FORWARDS = ("labkit.model.layers.MLP.forward", "labkit.model.layers.silu_mul",
+                   "labkit.model.layers.DecoderLayer.forward", "labkit.model.layers.Attention.forward")
 
 
 def _swiglu(x, gate_up, down, *, swap=False, interleaved=False, act=F.silu, act_after_product=False):
