@@ -41,6 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from labkit.engine import LLM  # noqa: E402
+from labkit.model import layers  # noqa: E402
 from labkit.model.config import ModelConfig  # noqa: E402
 from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model  # noqa: E402
 from labkit.model.transformers_oracle import transformers_twin  # noqa: E402
@@ -247,9 +248,11 @@ class Report:
             self.path.write_text("\n".join(self.lines) + "\n", encoding="utf-8")
 
 
-def device_slug(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device).lower()
-    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
+def report_name(device: torch.device, args) -> str:
+    """<date>-<time>-<gpu>-nanovllm-<model>[-nofusion].md: runs of one session never overwrite each other."""
+    gpu = "-".join("".join(c if c.isalnum() else " " for c in torch.cuda.get_device_name(device).lower()).split())
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}-{gpu}-nanovllm-{args.model}"
+            f"{'-nofusion' if args.no_fusion else ''}.md")
 
 
 def main(argv=None) -> int:
@@ -265,6 +268,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                         help="default: the engine's dtype on this device")
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--no-fusion", action="store_true",
+                        help="run the element-wise chains op by op (labkit.model.layers.fused_on_gpu), to measure "
+                             "what fusing them buys")
     parser.add_argument("--profile", action="store_true", help="add torch.profiler's top kernels over a short run")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu", help="folder for the report")
     args = parser.parse_args(argv)
@@ -276,6 +282,8 @@ def main(argv=None) -> int:
     if device.type != "cuda" and not args.tiny:
         print("no CUDA device: the full benchmark needs a GPU (--tiny runs a scaled-down one here)", file=sys.stderr)
         return 2
+    if args.no_fusion:
+        layers.fuses = lambda args: False  # what fused_on_gpu asks before compiling
     workload = TINY if args.tiny else Workload()
     prompts, params = workload.draw()
     requested = sum(p.max_tokens for p in params)
@@ -288,8 +296,7 @@ def main(argv=None) -> int:
         versions += f", triton {triton.__version__}, transformers {transformers.__version__}"
     except ImportError as missing:
         versions += f" ({missing.name} not installed)"
-    report = Report(args.out / f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}-"
-                    f"{device_slug(device)}-nanovllm.md" if device.type == "cuda" else None)
+    report = Report(args.out / report_name(device, args) if device.type == "cuda" else None)
     report.add(f"# nano-vLLM's benchmark: {describe_device(device)}", "",
                f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `bench/bench_nanovllm.py"
                f"{' ' + ' '.join(argv if argv is not None else sys.argv[1:])}`", "",
@@ -298,7 +305,8 @@ def main(argv=None) -> int:
                f"({sum(map(len, prompts))} in all), outputs {workload.output_len[0]}-{workload.output_len[1]} "
                f"({requested} requested), temperature {workload.temperature}, ignore_eos; engine: max_model_len "
                f"{workload.max_model_len}, max_num_seqs {workload.max_num_seqs}, max_num_batched_tokens "
-               f"{workload.max_num_batched_tokens}, {dtype}, CUDA graphs {'off' if args.no_cuda_graph else 'on'}")
+               f"{workload.max_num_batched_tokens}, {dtype}, CUDA graphs {'off' if args.no_cuda_graph else 'on'}, "
+               f"element-wise fusion {'off' if args.no_fusion else 'on'}")
     if device.type == "cuda":
         bandwidth, flops = gpu_peaks(device)
         report.add(f"- this GPU, measured: copy {bandwidth / 1e9:.0f} GB/s (read + write), bf16 matmul "

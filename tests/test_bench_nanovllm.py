@@ -42,3 +42,14 @@ def test_tiny_run_reports_both_models(tmp_path, capsys):
 def test_full_run_needs_a_gpu(capsys):
     assert bench.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the full benchmark")
+def test_no_fusion_and_no_transformers(monkeypatch, capsys):
+    from labkit.model import layers
+
+    monkeypatch.setattr(layers, "fuses", layers.fuses)  # --no-fusion replaces it for the process: restore it
+    assert bench.main(["--tiny", "--model", "qwen3-0.6b", "--no-fusion", "--hf-requests", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "element-wise fusion off" in text and "transformers generate" not in text
+    assert layers.fuses((torch.ones(1, dtype=torch.bfloat16),)) is False
