@@ -1,5 +1,25 @@
-"""Helpers the engine tests share: the leak check every test ends with, and a step loop that survives
-interrupts."""
+"""Helpers the engine tests share: a tiny model, the leak check every test ends with, and a step loop
+that survives interrupts."""
+
+import torch
+
+from labkit.model import DecoderModel, ModelConfig
+from labkit.tokenizer import load_tokenizer
+
+
+def tiny_model_and_tokenizer():
+    """(model, tokenizer): 2 layers, hidden 32, SmolLM2's vocabulary (so its tokenizer detokenizes the
+    outputs); the LM head scaled up so greedy choices are clear-cut."""
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer("smollm2")
+    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer.vocab), hidden_size=32,
+                         intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         tie_word_embeddings=False)
+    model = DecoderModel(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model, tokenizer
 
 
 def assert_no_leak(llm):

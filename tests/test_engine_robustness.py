@@ -11,27 +11,15 @@ import time
 import numpy as np
 import pytest
 import torch
-from engine_support import assert_no_leak, step_through_interrupts
+from engine_support import assert_no_leak, step_through_interrupts, tiny_model_and_tokenizer
 
 from labkit.engine import LLM, FinishReason
-from labkit.model import DecoderModel, ModelConfig
 from labkit.sampling import SamplingParams
-from labkit.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    """(model, tokenizer): 2 layers, hidden 32; the LM head scaled up so greedy choices are clear-cut."""
-    torch.manual_seed(0)
-    tokenizer = load_tokenizer("smollm2")
-    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer.vocab), hidden_size=32,
-                         intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         tie_word_embeddings=False)
-    model = DecoderModel(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    return model, tokenizer
+    return tiny_model_and_tokenizer()
 
 
 def engine(tiny, **kwargs):
@@ -148,8 +136,8 @@ POINTS = {  # where, in one step, the interrupt lands: (object, method, every ho
     "after forward": lambda llm: (llm.runner, "forward", 3),
     "sampling": lambda llm: (llm.runner, "sample", 3),
     "after sampling": lambda llm: (llm.runner, "sample", 3),
-    "between appends": lambda llm: (llm, "_append", 7),
-    "after an append": lambda llm: (llm, "_append", 7),
+    "between appends": lambda llm: (llm.output_processor, "append", 7),
+    "after an append": lambda llm: (llm.output_processor, "append", 7),
     "postprocess": lambda llm: (llm.scheduler, "postprocess", 3),
     "after postprocess": lambda llm: (llm.scheduler, "postprocess", 3),
     "collecting outputs": lambda llm: (llm, "_finalize", 2),
@@ -173,20 +161,35 @@ def test_an_interrupt_anywhere_in_a_step_loses_and_repeats_nothing(tiny, monkeyp
     assert_no_leak(llm)
 
 
-def test_an_interrupted_detokenization_is_undone(tiny, monkeypatch):
-    """check_stop raising after the detokenizer took the token: the token must not be pushed twice."""
-    import labkit.engine.llm as llm_module
+@pytest.mark.parametrize("stop", [[], ["never in this text"]], ids=["detokenized-at-the-end", "detokenized-each-step"])
+def test_an_interrupted_detokenization_is_undone(tiny, monkeypatch, stop):
+    """The detokenizer or the stop check raising after the detokenizer took tokens: no token may be
+    pushed twice, whether the text is made each step (stop strings) or when the request finishes."""
+    import labkit.engine.output_processor as output_processor
+    from labkit.tokenizer import IncrementalDetokenizer
 
-    text = engine(tiny).generate("Hello", greedy(8))[0].text
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop)
+    text = engine(tiny).generate("Hello", params)[0].text
     llm = engine(tiny)
-    monkeypatch.setattr(llm_module, "check_stop", Interrupter(llm_module.check_stop, every=2))
-    request = llm.add_request("Hello", greedy(8))
+    monkeypatch.setattr(output_processor, "check_stop", Interrupter(output_processor.check_stop, every=2))
+    push, pushes = IncrementalDetokenizer.push, []
+
+    def push_then_interrupt(detokenizer, token_ids):  # the first push and every other one take, then raise
+        piece = push(detokenizer, token_ids)
+        pushes.append(token_ids)
+        if len(pushes) % 2 == 1:
+            raise KeyboardInterrupt
+        return piece
+
+    monkeypatch.setattr(IncrementalDetokenizer, "push", push_then_interrupt)
+    request = llm.add_request("Hello", params)
     outputs = []
     while llm.has_unfinished_requests():
         try:
             outputs += llm.step()
         except KeyboardInterrupt:
             pass
+    assert len(pushes) >= 2, "an interrupted push was repeated"
     assert [o.request_id for o in outputs] == [request] and outputs[0].text == text
     assert_no_leak(llm)
 
@@ -310,7 +313,7 @@ def test_soak_with_preemption_interrupts_and_aborts_loses_and_leaks_nothing(tiny
 
     for mode in ("recompute", "swap"):
         llm = engine(tiny, num_kvcache_blocks=12, max_num_seqs=8, max_num_batched_tokens=24, preemption_mode=mode)
-        for owner, name in [(llm.runner, "forward"), (llm.scheduler, "postprocess"), (llm, "_append")]:
+        for owner, name in [(llm.runner, "forward"), (llm.scheduler, "postprocess"), (llm.output_processor, "append")]:
             monkeypatch.setattr(owner, name, Interrupter(getattr(owner, name), every=rng.randint(7, 13),
                                                          after=rng.random() < 0.5))
         pending, ids, outputs, aborted, steps = list(enumerate(requests)), {}, {}, set(), 0
@@ -397,8 +400,8 @@ FORK_POINTS = {  # interrupts around forking a request's samples and drawing the
     "forking a sample": lambda llm: (llm.scheduler, "fork", 2),
     "after forking a sample": lambda llm: (llm.scheduler, "fork", 2),
     "sampling": lambda llm: (llm.runner, "sample", 2),
-    "between appends": lambda llm: (llm, "_append", 3),
-    "after an append": lambda llm: (llm, "_append", 3),
+    "between appends": lambda llm: (llm.output_processor, "append", 3),
+    "after an append": lambda llm: (llm.output_processor, "append", 3),
     "copy-on-write": lambda llm: (llm.storage, "copy_blocks", 2),
     "after copy-on-write": lambda llm: (llm.storage, "copy_blocks", 2),
 }

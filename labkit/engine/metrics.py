@@ -87,6 +87,23 @@ class EngineMetrics:
     _ttft: _Mean = field(default_factory=_Mean, repr=False)
     _tpot: _Mean = field(default_factory=_Mean, repr=False)
 
+    def record_step(self, out, num_batched_tokens: int, num_sampled: int, elapsed: float, block_manager,
+                    speculative=None) -> None:
+        """Count one engine step: `out` is what the scheduler ran; the prefix-cache and speculative
+        counters are copied from the block manager's and the speculative decoder's totals."""
+        self.num_steps += 1
+        self.busy_time += elapsed
+        self.num_generated_tokens += num_sampled
+        self.num_batched_tokens += num_batched_tokens
+        self.num_preemptions += len(out.preempted)
+        self.num_swaps += len(out.swapped_out)
+        self.prefix_cache_queried_tokens = block_manager.stats.queried_tokens
+        self.prefix_cache_hit_tokens = block_manager.stats.hit_tokens
+        if speculative is not None:
+            self.num_draft_tokens += speculative.num_draft_tokens
+            self.num_accepted_draft_tokens += speculative.num_accepted_tokens
+            self.num_verify_passes += speculative.num_verify_passes
+
     def record(self, request: RequestMetrics) -> None:
         """Count one finished request."""
         self.num_finished += 1

@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 import labkit
 from labkit.engine import LLM
-from labkit.engine.llm import render_chat
+from labkit.engine.inputs import render_chat
 from labkit.serve.access import Access
 from labkit.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestFailed, log
 from labkit.serve.metrics import CONTENT_TYPE

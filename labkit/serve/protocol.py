@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
-from labkit.engine.llm import CHAT_ROLES
+from labkit.engine.inputs import CHAT_ROLES
 from labkit.sampling import SamplingParams
 
 
