@@ -1,4 +1,5 @@
-"""The engine: Sequence, Scheduler (continuous batching), ModelRunner, and the vLLM-style `LLM` API.
+"""The engine: Sequence, Scheduler (continuous batching), ModelRunner, and the vLLM-style `LLM` API
+with its settings (`EngineConfig`) and its replaceable components (`EngineComponents`).
 
 Names are imported on first use, so `python -m labkit.engine --help` answers without loading torch.
 """
@@ -7,6 +8,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "LLM": "labkit.engine.llm",
+    "EngineConfig": "labkit.engine.config", "EngineComponents": "labkit.engine.components",
     "BeamSearchOutput": "labkit.engine.outputs", "BeamSearchSequence": "labkit.engine.outputs",
     "CompletionOutput": "labkit.engine.outputs", "RequestOutput": "labkit.engine.outputs",
     "EngineMetrics": "labkit.engine.metrics", "RequestMetrics": "labkit.engine.metrics",
