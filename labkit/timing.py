@@ -42,16 +42,23 @@ def _synchronize(device) -> None:
 
 
 def measure(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, device=None,
-            clock: Callable[[], float] = time.perf_counter) -> Timing:
+            clock: Callable[[], float] = time.perf_counter, setup: Callable[[], object] | None = None) -> Timing:
     """Time `fn()` `repeats` times after `warmup` untimed calls. On CUDA, pass `device` so each run
-    is timed to the end of its kernels (launches return before the GPU is done)."""
+    is timed to the end of its kernels (launches return before the GPU is done). `setup()`, when
+    given, runs untimed before every call of `fn` (to start each run from the same state, e.g. an
+    emptied cache)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     _synchronize(device)
     seconds = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
+            _synchronize(device)
         start = clock()
         fn()
         _synchronize(device)

@@ -23,3 +23,19 @@ def test_median_best_and_spread():
 def test_bad_counts_are_refused(repeats, warmup):
     with pytest.raises(ValueError, match="repeats"):
         measure(lambda: None, repeats=repeats, warmup=warmup)
+
+
+def test_setup_runs_before_every_call_and_is_not_timed():
+    now, calls = [0], []
+
+    def setup():
+        calls.append("setup")
+        now[0] += 100
+
+    def fn():
+        calls.append("fn")
+        now[0] += 1
+
+    timing = measure(fn, repeats=2, warmup=1, clock=lambda: now[0], setup=setup)
+    assert calls == ["setup", "fn"] * 3
+    assert timing.seconds == (1, 1)
