@@ -20,13 +20,7 @@ def measure_matmul_flops(m: int, k: int, n: int, dtype: torch.dtype = torch.floa
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-
-    def run():
-        torch.matmul(a, b, out=out)
-        sync()
-
-    return 2 * m * k * n / measure(run, repeats).best
+    return 2 * m * k * n / measure(lambda: torch.matmul(a, b, out=out), repeats, device=device).best
 
 
 def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5,
@@ -36,14 +30,8 @@ def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5,
     half again as fast as torch's sum)."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     matrix, vector = x.view(-1, 1024), torch.ones(1024, device=device)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-
-    def run(read):
-        read()
-        sync()
-
-    seconds = min(measure(lambda: run(x.sum), repeats).best,
-                  measure(lambda: run(lambda: matrix @ vector), repeats).best)
+    seconds = min(measure(x.sum, repeats, device=device).best,
+                  measure(lambda: matrix @ vector, repeats, device=device).best)
     return x.numel() * 4 / seconds
 
 
