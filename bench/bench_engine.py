@@ -21,6 +21,7 @@ import argparse
 import os
 import random
 import time
+from functools import partial
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,6 +37,7 @@ from labkit.model.packed_linear import PackedBf16Linear, PackedF32Linear  # noqa
 from labkit.model.transformers_oracle import load_transformers_model  # noqa: E402
 from labkit.model.weight_formats import PrepackedLinear  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
+from labkit.timing import measure  # noqa: E402
 from labkit_course.roofline import engine_step_cost, measure_read_bandwidth  # noqa: E402
 
 SYSTEM_PROMPT = (
@@ -67,13 +69,12 @@ def hf_generate(hf, prompts: list[list[int]], max_new: int) -> None:
                 do_sample=False, pad_token_id=pad)
 
 
-def time_it(fn) -> float:
-    """Seconds fn takes. With one torch thread, CPU seconds of this process: on a shared machine the
-    wall clock also counts time spent waiting for a core, which says nothing about either library."""
+def time_it(fn, repeats: int = 1, warmup: int = 0) -> float:
+    """fn's best seconds over `repeats` calls after `warmup` untimed ones (labkit.timing.measure). With
+    one torch thread, CPU seconds of this process: on a shared machine the wall clock also counts time
+    spent waiting for a core, which says nothing about either library."""
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
-    start = clock()
-    fn()
-    return clock() - start
+    return measure(fn, repeats, warmup, clock=clock).best
 
 
 def decode_speeds(runs: dict, prompt: list[int], new_tokens: int, rounds: int = 3) -> dict:
@@ -81,7 +82,7 @@ def decode_speeds(runs: dict, prompt: list[int], new_tokens: int, rounds: int = 
     prefill cancels out. The runs take turns and each keeps its best time, so a burst of load on a
     shared machine does not land on one of them only."""
     best = {name: [float("inf"), float("inf")] for name in runs}
-    for _ in range(rounds):
+    for _ in range(rounds):  # one timed call of each run a round, not time_it's repeats: the turns matter
         for name, run in runs.items():
             for i, n in enumerate((1, 1 + new_tokens)):
                 best[name][i] = min(best[name][i], time_it(lambda run=run, n=n: run(prompt, n)))
@@ -120,8 +121,7 @@ def gemm_peak(config, dtype: torch.dtype, rows: int = 512, repeats: int = 15) ->
         if dtype == torch.float32 and gemm.f32_serves_this_cpu():
             calls.append(PackedF32Linear(linear))
         for call in calls:
-            call(x)
-            seconds = min(time_it(lambda call=call, x=x: call(x)) for _ in range(repeats))
+            seconds = time_it(partial(call, x), repeats, warmup=1)
             best = max(best, 2 * rows * k * n / seconds)
     return best
 
@@ -166,7 +166,7 @@ def throughput(dtype, args, prompts, outputs, machine):
     hf, _ = load_transformers_model("smollm2", dtype=dtype)
     hf_generate(hf, prompts[:2], 2)  # warm-up
     t_labkit = t_hf = float("inf")
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # one timed call of each side a round, not time_it's repeats: the turns matter
         recorder = llm.runner.forward = StepRecorder(llm.runner)
         t_labkit = min(t_labkit, time_it(lambda: llm.generate(prompts, params)))
         del llm.runner.forward

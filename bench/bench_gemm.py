@@ -6,26 +6,27 @@ one thread, GFLOP/s of both measured in the same run (best of several calls each
 
 import argparse
 import time
+from functools import partial
 
 import torch
 from torch import nn
 
 from labkit.kernels import gemm
 from labkit.model.packed_linear import PackedF32Linear
+from labkit.timing import measure
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # (out, in): q/o, k/v, gate/up, down, head
 
 
 def best_seconds(layers: list, x: torch.Tensor, budget: float = 0.3) -> list[float]:
-    """Each layer's best time on x, the layers called in turns (a busy moment slows them all)."""
+    """Each layer's best time on x, the layers called in turns (a busy moment slows them all): one
+    `measure` of one call per layer per round, rather than all of one layer's runs in a row."""
     best = [float("inf")] * len(layers)
-    start, calls = time.perf_counter(), 0
-    while calls < 4 or (time.perf_counter() - start < budget and calls < 60):
+    start, rounds = time.perf_counter(), 0
+    while rounds < 4 or (time.perf_counter() - start < budget and rounds < 60):
         for i, layer in enumerate(layers):
-            t = time.perf_counter()
-            layer(x)
-            best[i] = min(best[i], time.perf_counter() - t)
-        calls += 1
+            best[i] = min(best[i], measure(partial(layer, x), repeats=1, warmup=0).best)
+        rounds += 1
     return best
 
 

@@ -16,7 +16,6 @@ also timed over LAYERS layers' pools in turn, a decode step of the bench workloa
 and its K/V read rate is printed against the streaming read bandwidth measured in the same run.
 """
 
-import time
 from functools import partial
 
 import torch
@@ -24,21 +23,13 @@ import torch.nn.functional as F
 
 from labkit import kernels
 from labkit.attention import cpu_decode, reference
+from labkit.timing import measure
 from labkit_course.roofline import measure_read_bandwidth
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30  # SmolLM2-135M's
+REPEATS = 30  # each case's time is the best of this many runs, after one warm-up run
 STEP_SEQS, STEP_CONTEXT = 38, 106  # bench_engine.py's workload: its decode steps' mean batch and context
-
-
-def best_of(fn, repeats=30):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def setup(k_lens, q_lens, dtype, seed=0):
@@ -89,8 +80,8 @@ def main():
         q, k_cache, v_cache, tables, cu_q, cu_k, contiguous = setup(k_lens, q_lens, dtype)
         plans = [reference.PagedAttentionPlan(cu_q, cu_k, tables, BLOCK, HEADS // KV_HEADS, always_read_cache=True,
                                               decode_group=group) for group in (None, decode_group)]
-        gather, engine = (best_of(partial(plan.run, q, None, None, k_cache, v_cache)) for plan in plans)
-        dense = best_of(partial(sdpa_per_sequence, q, cu_q, contiguous))
+        gather, engine = (measure(partial(plan.run, q, None, None, k_cache, v_cache), REPEATS).best for plan in plans)
+        dense = measure(partial(sdpa_per_sequence, q, cu_q, contiguous), REPEATS).best
         speedup = f"{gather / engine:>12.2f}x" if decode_group and 1 in q_lens else f"{'-':>13}"
         print(f"{name:<52} | {gather * 1e3:>9.2f} ms | {engine * 1e3:>{len(kernel) + 14}.2f} ms | "
               f"{dense * 1e3:>12.2f} ms | {gather / dense:>10.2f}x | {speedup}")
@@ -109,7 +100,7 @@ def from_memory(seqs: int, context: int, dtype: torch.dtype, pool_blocks: int = 
     tables = torch.randperm(pool_blocks, generator=g)[:seqs * blocks].view(seqs, blocks).int()
     plan = cpu_decode.DecodePlan(tables, torch.full((seqs,), context, dtype=torch.int32), BLOCK)
     q = torch.randn(seqs, HEADS, DIM, generator=g).to(dtype)
-    per_layer = best_of(lambda: [plan.attend(q, k, v) for k, v in pools], repeats=5) / LAYERS
+    per_layer = measure(lambda: [plan.attend(q, k, v) for k, v in pools], repeats=5).best / LAYERS
     return per_layer, seqs * context * 2 * KV_HEADS * DIM * dtype.itemsize / per_layer
 
 

@@ -123,7 +123,7 @@ def best_times(runs: dict, rounds: int) -> dict:
     """Best time of each run over `rounds`; the runs take turns, so a burst of load on a shared machine
     does not land on one of them only."""
     best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
+    for _ in range(rounds):  # one timed call of each run a round, not time_it's repeats: the turns matter
         for name, run in runs.items():
             best[name] = min(best[name], time_it(run))
     return best

@@ -11,28 +11,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["RAYON_NUM_THREADS"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-import time  # noqa: E402
-
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from labkit.registry import resolve_model_path  # noqa: E402
+from labkit.timing import measure  # noqa: E402
 from labkit.tokenizer import load_tokenizer, train  # noqa: E402
 from labkit_course.data import JARGON_FILE, data_path  # noqa: E402
 
 CORPUS = data_path(JARGON_FILE)
 
 
-def best_time(runs, fn, reset):
-    """The fastest of `runs` calls of fn(), each after reset() (not timed); also fn()'s result."""
-    best = float("inf")
-    for _ in range(runs):
-        reset()
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
+def best_time(runs, fn, reset=None):
+    """The fastest of `runs` calls of fn(), each after reset() (not timed), no warm-up; also fn()'s result."""
+    results = []
+    timing = measure(lambda: results.append(fn()), repeats=runs, warmup=0, setup=reset)
+    return timing.best, results[-1]
 
 
 def smollm2_reference() -> HFTokenizer:
@@ -66,8 +61,8 @@ def main():
     }
     for name, (hf_encode, labkit_encode) in cases.items():
         for cache in ("cold", "warm"):
-            hf_reset = fresh_hf if cache == "cold" else (lambda: None)
-            labkit_reset = labkit._piece_cache.clear if cache == "cold" else (lambda: None)
+            hf_reset = fresh_hf if cache == "cold" else None
+            labkit_reset = labkit._piece_cache.clear if cache == "cold" else None
             hf_time, hf_ids = best_time(3, hf_encode, hf_reset)
             labkit_time, labkit_ids = best_time(3, labkit_encode, labkit_reset)
             assert labkit_ids == hf_ids, f"labkit and HF disagree on {name}"
@@ -75,9 +70,7 @@ def main():
                   f"{megabytes / labkit_time:>7.2f} MB/s{hf_time / labkit_time:>13.2f}")
     print("  (ids identical in every case; goal: labkit / HF >= 0.33)")
 
-    start = time.perf_counter()
-    trained = train(text, 256 + 2000)
-    seconds = time.perf_counter() - start
+    seconds, trained = best_time(1, lambda: train(text, 256 + 2000))
     ratio = len(text.encode("utf-8")) / len(trained.encode(text))
     print(f"train 2,000 merges on {megabytes:.2f} MB: {seconds:.1f} s ({ratio:.2f} bytes/token afterwards)")
 
