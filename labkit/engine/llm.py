@@ -181,6 +181,15 @@ class LLM:
         self._requests.pop(seq.request_id, None)
         self.metrics.record(output.metrics)
 
+    def _release(self, ids: list[int]) -> None:
+        """The end of a generate or stream call, however it ended (KeyboardInterrupt, a closed
+        generator): none of its requests stays queued, claimed or buffered."""
+        for i in ids:
+            if i in self._requests:
+                self.abort(i)
+            self._outputs.pop(i, None)
+        self._claimed.difference_update(ids)
+
     # --- user-facing calls -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  priority: int | list[int] = 0, use_tqdm: bool | None = None) -> list[RequestOutput]:
@@ -205,11 +214,7 @@ class LLM:
             return [self._outputs[i] for i in ids]
         finally:
             bar.close()
-            for i in ids:  # interrupted (e.g. KeyboardInterrupt): leave nothing queued
-                if i in self._requests:
-                    self.abort(i)
-                self._outputs.pop(i, None)
-            self._claimed.difference_update(ids)
+            self._release(ids)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a batch of them (a list of lists),
@@ -244,10 +249,7 @@ class LLM:
             if len(text) > sent:
                 yield text[sent:]
         finally:
-            if seq.seq_id in self._requests:
-                self.abort(seq.seq_id)
-            self._outputs.pop(seq.seq_id, None)
-            self._claimed.discard(seq.seq_id)
+            self._release([seq.seq_id])
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` inside this engine (beam_search.py): one BeamSearchOutput per prompt,
