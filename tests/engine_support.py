@@ -23,9 +23,10 @@ def tiny_model_and_tokenizer():
 
 
 def assert_no_leak(llm):
-    """Nothing left behind: no request, buffered output or claimed id, and every KV block free."""
+    """Nothing left behind: no request, buffered output, claimed id or detokenizer, and every KV block free."""
     assert not llm.has_unfinished_requests()
     assert not llm._requests and not llm._outputs and not llm._claimed
+    assert not llm.output_processor._text, "a detokenizer outlived its request"
     llm.block_manager.check_invariants([])
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "KV blocks leaked"
 
