@@ -122,6 +122,9 @@ class SamplingMetadata:
     min_p: torch.Tensor  # [batch] float64, 0 = off
     seeds: torch.Tensor  # [batch] int64: the request's seed, or a fresh random one
     steps: torch.Tensor  # [batch] int64: tokens generated so far, the counter of the seeded draws
+    # Known on the host, so the sampler takes its branches without waiting for the GPU to answer:
+    greedy_rows: str  # "all", "some" or "none"
+    filters: frozenset[str]  # which of "top_k", "top_p", "min_p" some row uses
     prompt_token_ids: torch.Tensor | None = None  # [batch, longest prompt], -1 padded
     output_token_ids: torch.Tensor | None = None  # [batch, longest output], -1 padded
     repetition_penalty: torch.Tensor | None = None  # [batch], 1 = off
@@ -157,6 +160,7 @@ class SamplingMetadata:
         column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype)
         random_seeds = torch.randint(0, 2**62, (len(params),)).tolist()
         seeds = [p.seed if p.seed is not None else fresh for p, fresh in zip(params, random_seeds, strict=True)]
+        num_greedy = sum(p.temperature == 0 for p in params)
         penalized = any(
             p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params
         )
@@ -167,6 +171,10 @@ class SamplingMetadata:
             min_p=to_device(column("min_p", torch.float64)),
             seeds=to_device(torch.tensor(seeds, dtype=torch.int64)),
             steps=to_device(torch.tensor([len(out) for out in output_token_ids], dtype=torch.int64)),
+            greedy_rows=("all" if num_greedy == len(params) else "some" if num_greedy else "none"),
+            filters=frozenset(name for name, used in (("top_k", any(p.top_k > 0 for p in params)),
+                                                      ("top_p", any(p.top_p < 1 for p in params)),
+                                                      ("min_p", any(p.min_p > 0 for p in params))) if used),
             prompt_token_ids=to_device(_padded(prompt_token_ids)) if penalized else None,
             output_token_ids=to_device(_padded(output_token_ids)) if penalized else None,
             repetition_penalty=to_device(column("repetition_penalty", torch.float32)) if penalized else None,
@@ -230,12 +238,12 @@ class Sampler:
                 metadata.presence_penalty,
                 metadata.frequency_penalty,
             )
-        greedy_rows = metadata.temperature == 0
-        greedy = greedy_tokens(logits)
-        if greedy_rows.all():
-            return greedy
+        if metadata.greedy_rows == "all":
+            return greedy_tokens(logits)
         sampled = self.draw(self.filter(logits, metadata), metadata)
-        return torch.where(greedy_rows, greedy, sampled)
+        if metadata.greedy_rows == "none":
+            return sampled
+        return torch.where(metadata.temperature == 0, greedy_tokens(logits), sampled)
 
     def draw(self, filtered: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """One Gumbel-max draw per row of the filtered logits. An entry's uniform depends only on (seed,
@@ -264,11 +272,11 @@ class Sampler:
         """Temperature, top-k, top-p and min-p per row (greedy rows pass through at temperature 1)."""
         temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
         logits = apply_temperature(logits, temperature)
-        if (metadata.top_k > 0).any():
+        if "top_k" in metadata.filters:
             logits = apply_top_k(logits, metadata.top_k)
-        if (metadata.top_p < 1).any():
+        if "top_p" in metadata.filters:
             logits = apply_top_p(logits, metadata.top_p)
-        if (metadata.min_p > 0).any():
+        if "min_p" in metadata.filters:
             logits = apply_min_p(logits, metadata.min_p)
         return logits
 
