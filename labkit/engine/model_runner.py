@@ -173,8 +173,11 @@ class ModelRunner:
         """
         if all(seq.params.greedy and not seq.params.changes_logits for seq in seqs):
             return greedy_tokens(logits).tolist()
+        # Only a penalty reads the prompts: copying 256 prompts' ids out of their sequences each step costs more
+        # than the rest of the sampler's host work.
+        penalized = any(seq.params.changes_logits for seq in seqs)
         metadata = SamplingMetadata.from_requests([seq.params for seq in seqs],
-                                                  [seq.prompt_token_ids for seq in seqs],
+                                                  [seq.prompt_token_ids if penalized else () for seq in seqs],
                                                   [seq.output_token_ids for seq in seqs], device=logits.device,
                                                   eos_token_id=eos_token_id, vocab_size=logits.shape[-1])
         return self.sampler(logits, metadata).tolist()

@@ -28,6 +28,9 @@ def logit_offsets(params: Sequence[SamplingParams], num_output_tokens: Sequence[
                   vocab_size: int) -> torch.Tensor | None:
     """The additive tensor `[batch, vocab]` (float32, on the CPU) of the three processors, or None if no row
     needs one."""
+    if not any(p.logit_bias or p.allowed_token_ids is not None or n < p.min_tokens
+               for p, n in zip(params, num_output_tokens, strict=True)):
+        return None  # asked first, in one pass: the common case, every step, for every running request
     banned = [min_tokens_banned(p, n, eos_token_id) for p, n in zip(params, num_output_tokens, strict=True)]
     if not any(p.logit_bias or p.allowed_token_ids is not None for p in params) and not any(banned):
         return None
