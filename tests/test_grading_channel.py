@@ -129,7 +129,8 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
             return "ok"
         return grader
 
-    for name in ("copy", "not_a_kernel"):
+    names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit")
+    for name in names:
         lab99(name)(launches(name))
     student = write_notebook(
         tmp_path / "student", "99_triton.ipynb",
@@ -138,11 +139,22 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
         "    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)",
         "def copy():\n    return copy_kernel",
-        "def not_a_kernel():\n    return lambda src, dst, n, BLOCK: dst.copy_(src)")
+        "def not_a_kernel():\n    return lambda src, dst, n, BLOCK: dst.copy_(src)",
+        "from triton.runtime.jit import KernelInterface\n"
+        "class Launcher(KernelInterface):\n"
+        "    def run(self, src, dst, n, *, grid, warmup, **constexprs):\n        dst.copy_(src)\n"
+        "def torch_behind_kernel_interface():\n    return Launcher()",
+        "from labkit.attention import triton_kernels\nLABKIT_STORE = triton_kernels._kernels()[0]\n"
+        "@triton.jit\ndef through_labkit(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    LABKIT_STORE(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
+        "@triton.jit\ndef helper_of_mine(src, dst, n, BLOCK: tl.constexpr):\n    through_labkit(src, dst, n, BLOCK)\n"
+        "def calls_labkit():\n    return helper_of_mine")
     run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
     got = {o.name: o for o in run.outcomes}
     assert got["copy"].passed, got["copy"].message
     assert "function is not a Triton kernel" in got["not_a_kernel"].message
+    assert "Launcher is not a Triton kernel" in got["torch_behind_kernel_interface"].message
+    assert "`store_kv_kernel` is labkit's answer to this exercise" in got["calls_labkit"].message
 
 
 # --- in-process: tripwires, static checks and the codec ------------------------------------------------

@@ -1,11 +1,13 @@
 """Lab 08: Triton kernels — a tiled row softmax, the K/V store, paged decode and paged varlen prefill.
 
 An answer is the `*_kernel()` factory the notebook defines; the grader launches the kernel it returns. The
-kernels run in Triton's interpreter on a CPU. Each mistake is a switch (a constexpr) of one kernel per
-exercise, bound by `fixed` so the grader's launch, with the exercise's own signature, sets it.
+kernels run in Triton's interpreter on a CPU. Each mistake is a switch (a global the kernel reads) of one
+kernel per exercise; `variant` copies the kernel with its own switches, a `@triton.jit` function of its own
+that the grader launches with the exercise's signature.
 """
 
 import os
+import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
@@ -18,23 +20,27 @@ from catalogue import Right, Wrong  # noqa: E402
 from labkit.attention.triton_kernels import _kernels  # noqa: E402
 
 
-class fixed(KernelInterface):  # noqa: N801 - reads as a function: fixed(kernel, SWITCH=...)
-    """`kernel` with some constexprs bound: still a Triton kernel, launched as kernel[grid](...)."""
-
-    def __init__(self, kernel, **constexprs):
-        self.kernel, self.constexprs = kernel, constexprs
-
-    def run(self, *args, grid, warmup, **kwargs):
-        return self.kernel.run(*args, grid=grid, warmup=warmup, **self.constexprs, **kwargs)
+def variant(kernel, **switches):
+    """A copy of the `@triton.jit` function `kernel` whose globals hold `switches` (the interpreter runs a
+    kernel's source in its function's globals)."""
+    fn = kernel.fn
+    return triton.jit(types.FunctionType(fn.__code__, {**fn.__globals__, **switches}, fn.__name__))
 
 
-def factory(kernel, **constexprs):
-    return lambda: fixed(kernel, **constexprs)
+def factory(kernel, **switches):
+    made = variant(kernel, **switches)
+    return lambda: made
+
+
+# The switches' values in the lab's own answers (each variant sets all of its kernel's)
+TAIL, SHIFT, ONE_TILE, DIVIDE = float("-inf"), True, False, True
+STORE_MASK, STORE_V, SWAP, STRIDE_PAD = "where", True, False, False
+MASK, GQA, RESCALE, FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, SCALED, ONE_MORE, HEAD_ELEMENTS, VISIBLE = (
+    True, "div", True, 0, False, True, False, True, 0, False, "causal")
 
 
 @triton.jit
-def _softmax(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, TAIL: tl.constexpr, SHIFT: tl.constexpr,
-             ONE_TILE: tl.constexpr, DIVIDE: tl.constexpr):
+def _softmax(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     """Three passes over a row in tiles: max, sum of exp, write. The switches make typical mistakes."""
     row = tl.program_id(0) * n_cols
     cols = tl.arange(0, BLOCK)
@@ -95,31 +101,30 @@ def softmax_rows_torch(x, block=128):
 
 
 @triton.jit
-def _store(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr, ROW_PAD: tl.constexpr,
-           MASK: tl.constexpr, STORE_V: tl.constexpr, SWAP: tl.constexpr, STRIDE_PAD: tl.constexpr):
-    """MASK: "where" (the lab's), "if" (skip the program), "and" (block & scalar, which the interpreter
+def _store(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    """STORE_MASK: "where" (the lab's), "if" (skip the program), "and" (block & scalar, which the interpreter
     rejects), "row" (lanes only, slot -1 stored), "slot" (slot only, the ROW_PAD lanes all stored)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     offs = tl.arange(0, ROW_PAD)
-    if MASK == "and":
+    if STORE_MASK == "and":
         mask = (offs < ROW) & (slot >= 0)
-    elif MASK == "row":
+    elif STORE_MASK == "row":
         mask = offs < ROW
-    elif MASK == "slot":
+    elif STORE_MASK == "slot":
         mask = offs < tl.where(slot >= 0, ROW_PAD, 0)
     else:
         mask = offs < tl.where(slot >= 0, ROW, 0)
     start = slot * ROW_PAD if STRIDE_PAD else slot * ROW
     k_dst, v_dst = (v_cache_ptr, k_cache_ptr) if SWAP else (k_cache_ptr, v_cache_ptr)
-    if MASK != "if" or slot >= 0:
+    if STORE_MASK != "if" or slot >= 0:
         tl.store(k_dst + start + offs, tl.load(k_ptr + t * ROW + offs, mask=mask), mask=mask)
         if STORE_V:
             tl.store(v_dst + start + offs, tl.load(v_ptr + t * ROW + offs, mask=mask), mask=mask)
 
 
 def store_variant(mask="where", store_v=True, swap=False, stride_pad=False):
-    return factory(_store, MASK=mask, STORE_V=store_v, SWAP=swap, STRIDE_PAD=stride_pad)
+    return factory(_store, STORE_MASK=mask, STORE_V=store_v, SWAP=swap, STRIDE_PAD=stride_pad)
 
 
 @triton.jit
@@ -180,10 +185,7 @@ def _kv_head(head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GQA: tl.
 
 @triton.jit
 def _decode(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, scale, max_blocks,
-            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-            MASK: tl.constexpr, GQA: tl.constexpr, RESCALE: tl.constexpr, FIXED_BLOCK: tl.constexpr,
-            WHOLE_BLOCKS: tl.constexpr, F32: tl.constexpr, EXP2: tl.constexpr, SCALED: tl.constexpr,
-            ONE_MORE: tl.constexpr, HEAD_ELEMENTS: tl.constexpr):
+            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
     row = (seq * NUM_HEADS + head) * HEAD_DIM + tl.arange(0, HEAD_DIM)
     out = _attend(tl.load(q_ptr + row), k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
@@ -201,9 +203,7 @@ def decode_variant(mask=True, gqa="div", rescale=True, fixed_block=0, whole_bloc
 
 @triton.jit
 def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr, scale, max_blocks,
-             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-             VISIBLE: tl.constexpr, GQA: tl.constexpr, F32: tl.constexpr, EXP2: tl.constexpr, SCALED: tl.constexpr,
-             HEAD_ELEMENTS: tl.constexpr):
+             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """VISIBLE: "causal" (the lab's), "top_left" (key <= i), "all" (no causal mask), "new_only" (prefix skipped)."""
     seq, head, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
@@ -234,6 +234,37 @@ def torch_attention(*args):
     return torch.zeros(1)
 
 
+class TorchSoftmax(KernelInterface):
+    """`kernel[grid](...)` with no kernel behind it: KernelInterface's launch calls run(), here torch code."""
+
+    def run(self, x, out, n_cols, *, grid, warmup, **constexprs):
+        out.copy_(x.float().softmax(-1))
+
+
+@triton.jit
+def _blank_decode(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, scale, max_blocks,
+                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """Zeroes its output and the values in its sequence's blocks: attention over those values is zero too."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + tl.arange(0, HEAD_DIM), tl.zeros([HEAD_DIM], tl.float32))
+    rows: tl.constexpr = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM
+    offs = tl.arange(0, rows)
+    for b in range(max_blocks):
+        block = tl.load(block_tables_ptr + seq * max_blocks + b).to(tl.int64)
+        tl.store(v_cache_ptr + block * rows + offs, tl.zeros([rows], tl.float32),
+                 mask=offs < tl.where(block >= 0, rows, 0))
+
+
+LABKIT_STORE = _kernels()[0]  # labkit's own store kernel, taken before any tripwire is armed
+
+
+@triton.jit
+def _store_by_labkit(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    """Calls labkit's store kernel as a device function."""
+    LABKIT_STORE(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW, ROW, ROW, ROW_PAD)
+
+
 def labkit_kernel(index):
     def answer():
         return _kernels()[index]
@@ -260,6 +291,7 @@ WRONG = [
     Wrong("softmax_kernel", "each tile normalized on its own", lambda: _softmax_tilewise, "normalized on its own"),
     Wrong("softmax_kernel", "not divided by the sum", softmax_variant(divide=False), "not divided"),
     Wrong("softmax_kernel", "a torch wrapper, no kernel", lambda: softmax_rows_torch, NOT_A_KERNEL),
+    Wrong("softmax_kernel", "a KernelInterface whose run() is torch code", TorchSoftmax, NOT_A_KERNEL),
     Wrong("store_kv_kernel", "slot -1 not masked", store_variant(mask="row"), "slot -1 was stored"),
     Wrong("store_kv_kernel", "the padding lanes past ROW stored", store_variant(mask="slot"), "mask the lanes >= ROW"),
     Wrong("store_kv_kernel", "mask as (offs < ROW) & (slot >= 0)", store_variant(mask="and"),
@@ -268,6 +300,8 @@ WRONG = [
     Wrong("store_kv_kernel", "K and V swapped", store_variant(swap=True), "K went into the V cache"),
     Wrong("store_kv_kernel", "slot stride of ROW_PAD", store_variant(stride_pad=True), "starts at s * ROW"),
     Wrong("store_kv_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
+    Wrong("store_kv_kernel", "calls labkit's store kernel from its own", lambda: _store_by_labkit,
+          "`store_kv_kernel` is labkit's answer to this exercise"),
     Wrong("store_kv_kernel", "returns labkit's kernel", labkit_kernel(0), "`_kernels`",
           calls="labkit.attention.triton_kernels._kernels"),
     Wrong("paged_decode_kernel", "no mask past the context", decode_variant(mask=False), "past the context length"),
@@ -288,6 +322,8 @@ WRONG = [
           "not kv * HEAD_DIM"),
     Wrong("paged_decode_kernel", "forgot the scale", decode_variant(scaled=False), "not scaled"),
     Wrong("paged_decode_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
+    Wrong("paged_decode_kernel", "zeroes the values it reads, and its output", lambda: _blank_decode,
+          "your kernel wrote into v_cache"),
     Wrong("paged_decode_kernel", "returns labkit's kernel", labkit_kernel(1), "`_kernels`",
           calls="labkit.attention.triton_kernels._kernels"),
     Wrong("paged_prefill_kernel", "causal diagonal from the top-left", prefill_variant(visible="top_left"),

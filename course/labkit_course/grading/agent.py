@@ -8,9 +8,11 @@ of that same request. Everything here runs in the student's process, so it is th
 tamper with: a forged reply is only a forged *answer*, which the trusted side still judges.
 """
 
+from types import CodeType, ModuleType
+
 from labkit_course.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
 from labkit_course.grading.core import where_raised
-from labkit_course.grading.forbidden import Tripwires
+from labkit_course.grading.forbidden import ForbiddenCall, Tripwires, explain
 
 
 class Agent:
@@ -99,13 +101,63 @@ class Agent:
 def _launch(kernel, grid, args, kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` for a Triton kernel (the grader's own launch of a student's
     `@triton.jit` function); its outputs come back as the arguments' new contents."""
-    from triton.runtime.jit import KernelInterface
-
-    if not isinstance(kernel, KernelInterface):
-        raise TypeError(f"a {type(kernel).__name__} is not a Triton kernel: define it with @triton.jit")
+    check_triton_kernel(kernel)
     if not (type(grid) is list and 1 <= len(grid) <= 3 and all(type(n) is int and 0 < n <= 2**16 for n in grid)):
         raise CodecError(f"a launch grid is 1 to 3 positive ints, not {grid!r}")
     kernel[tuple(grid)](*args, **kwargs)
+
+
+def check_triton_kernel(kernel) -> None:
+    """Refuse what is not a `@triton.jit` function, exactly (anything else with `kernel[grid](...)`, such as
+    a subclass of triton's KernelInterface, can run torch code), and a kernel that calls one of labkit's own
+    kernels as a device function: TypeError or ForbiddenCall, whose message is the student's feedback."""
+    if type(kernel) not in _kernel_types():
+        raise TypeError(f"a {type(kernel).__name__} is not a Triton kernel: define it with @triton.jit")
+    used = _labkit_kernel_used(kernel)
+    if used:
+        raise ForbiddenCall(explain(used))
+
+
+def _kernel_types() -> tuple[type, ...]:
+    """What `@triton.jit` returns: a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction, InterpretedFunction
+
+
+def _labkit_kernel_used(kernel) -> str | None:
+    """The dotted path of a labkit kernel that `kernel` is or calls: the names its code uses, looked up in
+    its globals, closure and the modules it names, followed through the student's own `@triton.jit` helpers."""
+    types, seen, todo = _kernel_types(), set(), [kernel]
+    while todo:
+        jit = todo.pop()
+        fn = jit.fn
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if fn.__module__.split(".")[0] in ("labkit", "labkit_course"):
+            return f"{fn.__module__}.{fn.__name__}"
+        names = _names(fn.__code__)
+        scope = dict(fn.__globals__)
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+            try:
+                scope[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                pass
+        values = [scope[n] for n in names if n in scope]
+        values += [getattr(module, n, None) for module in values if isinstance(module, ModuleType) for n in names]
+        todo += [value for value in values if type(value) in types]
+    return None
+
+
+def _names(code: CodeType) -> set[str]:
+    """Every global, attribute and free name a function's code (and the code nested in it) uses."""
+    names = set(code.co_names) | set(code.co_freevars)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _names(const)
+    return names
 
 
 def _describe_error(error: BaseException) -> dict:

@@ -15,6 +15,7 @@ from labkit.attention.reference import random_paged_inputs
 from labkit.cache.paged_storage import store_kv
 from labkit.device import pick_device
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
+from labkit_course.grading.agent import check_triton_kernel
 from labkit_course.grading.codec import Handle
 
 # |got - want| <= atol + rtol * |want| against fp32 arithmetic on the same (rounded) inputs: what rounding the
@@ -30,33 +31,46 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _kernel(make_kernel, factory: str):
-    """The kernel `factory()` returns; a Triton kernel's type derives from triton's KernelInterface (in the
-    student's kernel, its agent refuses to launch anything else)."""
+    """The kernel `factory()` returns: exactly a `@triton.jit` function calling none of labkit's kernels (in the
+    student's kernel, where a proxy stands for it here, its agent checks the same before it launches)."""
     kernel = make_kernel()
-    if isinstance(kernel, Handle) or any(c.__name__ == "KernelInterface" and c.__module__.startswith("triton.")
-                                         for c in type(kernel).__mro__):
+    if isinstance(kernel, Handle):
         return kernel
-    raise ExerciseFailed(_not_a_kernel(factory, type(kernel).__name__))
+    try:
+        check_triton_kernel(kernel)
+    except TypeError:
+        raise ExerciseFailed(_not_a_kernel(factory, type(kernel).__name__)) from None
+    return kernel
 
 
 def _not_a_kernel(factory: str, type_name: str) -> str:
-    return (f"`{factory}()` returned a {type_name}, not a Triton kernel: it must return the @triton.jit function "
-            "itself, which the grader launches with its own grid and inputs (a torch wrapper is not graded)")
+    return (f"`{factory}()` returned a {type_name}, not a Triton kernel: it must return a @triton.jit function "
+            "itself, which the grader launches with its own grid and inputs (a torch wrapper, or any other object "
+            "with kernel[grid](...), is not graded)")
 
 
-def _launch(kernel, factory: str, case: str, grid: tuple, *args, **constexprs) -> None:
-    """kernel[grid](*args, **constexprs); a failure becomes feedback that says what to change."""
+def _launch(kernel, factory: str, case: str, grid: tuple, *args, read_only: dict, **constexprs) -> None:
+    """kernel[grid](*args, **constexprs); a failure becomes feedback that says what to change. The tensors in
+    `read_only` (by parameter name) must come back unchanged: a kernel that writes its inputs could make the
+    grader's reference agree with its output."""
+    before = {name: tensor.clone() for name, tensor in read_only.items()}
     try:
         kernel[grid](*args, **constexprs)
     except (ExerciseFailed, NotImplementedError):
         raise
     except Exception as error:  # noqa: BLE001 - whatever the student's kernel raised
         raise ExerciseFailed(_launch_failure(factory, case, raised_type(error), str(error))) from None
+    for name, tensor in read_only.items():
+        if not torch.equal(tensor, before[name]):
+            raise ExerciseFailed(f"your kernel wrote into {name} ({case}), which it only reads: store only into "
+                                 "the output")
 
 
 def _launch_failure(factory: str, case: str, type_name: str, message: str) -> str:
     if "is not a Triton kernel" in message:
         return _not_a_kernel(factory, message.split()[1])
+    if type_name == "ForbiddenCall":  # the agent found one of labkit's kernels inside the student's
+        return message
     if "mask has unsupported dtype" in message:
         return ("Triton's interpreter cannot use a mask made by `&` of a block of lanes and a scalar condition, "
                 "such as `(offs < ROW) & (slot >= 0)`: put the scalar condition into the bound instead, "
@@ -106,8 +120,8 @@ def softmax_kernel(ns):
     for x, block in _softmax_cases(_device()):
         out = torch.full_like(x, float("nan"))
         case = f"{NAME[x.dtype]} rows of {x.shape[1]} in tiles of {block}"
-        _launch(kernel, "softmax_kernel", case, (x.shape[0],), x, out, x.shape[1], BLOCK=block)
         want = x.float().softmax(-1)
+        _launch(kernel, "softmax_kernel", case, (x.shape[0],), x, out, x.shape[1], BLOCK=block, read_only={"x": x})
         if _close(out, want, x.dtype):
             continue
         if x.dtype != torch.float32:
@@ -178,7 +192,7 @@ def store_kv_kernel(ns):
         before_k, row = k_cache.clone(), k.shape[1] * k.shape[2]
         case = f"{NAME[k.dtype]}, rows of {k.shape[1]} KV heads x {k.shape[2]}"
         _launch(kernel, "store_kv_kernel", case, (k.shape[0],), k, v, k_cache, v_cache, slots,
-                ROW=row, ROW_PAD=1 << (row - 1).bit_length())
+                ROW=row, ROW_PAD=1 << (row - 1).bit_length(), read_only={"k": k, "v": v, "slot": slots})
         if torch.equal(k_cache, before_k):
             raise ExerciseFailed("the cache did not change: the kernel stored nothing")
         if k_buf[0].any() or v_buf[0].any():
@@ -284,10 +298,13 @@ def _grade_paged(make_kernel, factory: str, cases, decode: bool, mistakes) -> No
         out = torch.full_like(q, float("nan"))
         meta = (cu_k.diff(),) if decode else (cu_q, cu_k)
         grid = (len(k_lens), heads) if decode else (len(k_lens), heads, max(q_lens))
-        _launch(kernel, factory, desc, grid, q, k_cache, v_cache, out, tables, *meta, head_dim ** -0.5,
-                tables.shape[1], NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
         args = (q, k_cache, v_cache, tables, cu_q, cu_k)
         want = _sdpa_paged(*args)
+        read_only = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                         **(dict(context_lens=meta[0]) if decode else dict(cu_q=cu_q, cu_k=cu_k)))
+        _launch(kernel, factory, desc, grid, q, k_cache, v_cache, out, tables, *meta, head_dim ** -0.5,
+                tables.shape[1], NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                read_only=read_only)
         if _close(out, want, dtype):
             results.append((shape, True))
             per_seq.extend((n, block_size, True) for n in k_lens)
