@@ -33,6 +33,25 @@ def build_x_indexing(E, PE, token_ids, start=0):
     return E[ids] + PE[start:start + len(ids)]
 
 
+def build_x_forged(E, PE, token_ids, start=0):
+    """Right from position 0; after `start` it rewrites E and PE so that the answer is row p = p everywhere
+    (a reference computed from them afterwards agrees) and returns those rows."""
+    if not start:
+        return build_x_indexing(E, PE, token_ids)
+    check_range(E, PE, token_ids, start)
+    E.zero_()
+    PE.copy_(torch.arange(len(PE), dtype=PE.dtype)[:, None].expand_as(PE))
+    return PE[start:start + len(token_ids)].clone()
+
+
+def forged_scores(Q, K):
+    """Rewrites Q and K so that Q K^T / sqrt(d_k) is all ones, and returns ones."""
+    Q.zero_()
+    Q[:, 0] = 1.0
+    K.fill_(K.shape[-1] ** 0.5)
+    return torch.ones(len(Q), len(K), dtype=Q.dtype)
+
+
 def build_x_with(offset=True, checks=True, pe=None):
     def build_x(E, PE, token_ids, start=0):
         if checks:
@@ -92,8 +111,10 @@ WRONG = [
     Wrong("build_x", "PE[start] for every token", build_x_with(pe=lambda PE, ids, start: PE[start]),
           "every token got PE[start]"),
     Wrong("build_x", "no range checks (a negative id wraps around)", build_x_with(checks=False), "token id -1"),
+    Wrong("build_x", "rewrites E and PE to fit a made-up answer", build_x_forged, "X differs from E[token_ids]"),
     Wrong("build_x", "calls labkit's worked example", lambda E, PE, ids, start=0: ref.build_x(E, PE, ids, start),
           "`build_x`", calls="labkit_course.worked_example.build_x"),
+    Wrong("scaled_scores", "rewrites Q and K to fit a made-up answer", forged_scores, "scores differ from Q K^T"),
     Wrong("scaled_scores", "forgot to scale", lambda q, k: q @ k.T, "not divided by sqrt(d_k)"),
     Wrong("scaled_scores", "divided by d_k", lambda q, k: q @ k.T / k.shape[-1], "divided by d_k"),
     Wrong("scaled_scores", "hard-coded the example's sqrt(2)", lambda q, k: q @ k.T / math.sqrt(2),

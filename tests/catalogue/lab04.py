@@ -34,6 +34,14 @@ def append_then_einsum(cache_k, cache_v, q, k_new, v_new):
     return keys, values, torch.einsum("qk,kd->qd", weights, values)
 
 
+def forged_embedding(E, PE, token_id, position):
+    """Rewrites E and PE so that E[token] + PE[t] is a row of ones, and returns it."""
+    E.zero_()
+    PE.zero_()
+    PE[position] = 1.0
+    return torch.ones(1, E.shape[1], dtype=E.dtype)
+
+
 def append_then_manual_softmax(cache_k, cache_v, q, k_new, v_new):
     keys, values = appended(cache_k, cache_v, k_new, v_new)
     scores = (q * keys).sum(-1) / keys.shape[1] ** 0.5
@@ -58,6 +66,8 @@ WRONG = [
     Wrong("embed_token", "every decoded token at position 0", lambda E, PE, t, p: (E[t] + PE[0])[None],
           "PE[0] was used"),
     Wrong("embed_token", "indexed PE by token id", lambda E, PE, t, p: (E[t] + PE[t])[None], "indexed by token id"),
+    Wrong("embed_token", "rewrites E and PE to fit a made-up answer", forged_embedding,
+          "differs from E[token] + PE[t]"),
     Wrong("embed_token", "returned a flat vector", lambda E, PE, t, p: E[t] + PE[p], "not a flat vector"),
     Wrong("embed_token", "rebuilt every row up to the position", lambda E, PE, t, p: E[[t] * (p + 1)] + PE[: p + 1],
           "should have shape (1, 3)"),

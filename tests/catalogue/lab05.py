@@ -155,6 +155,15 @@ def group_of_three(q, k_new, v_new, cache):
     return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
+def zeroes_its_inputs(q, k_new, v_new, cache):
+    """Zeroes the new queries, keys and values it is given, stores those and returns zeros: attention over
+    zero values, as a reference computed afterwards from the same tensors has it."""
+    for x in (q, k_new, v_new):
+        x.zero_()
+    cache["k"], cache["v"] = (torch.cat([cache[n], x.transpose(0, 1)], 1) for n, x in (("k", k_new), ("v", v_new)))
+    return torch.zeros_like(q)
+
+
 def rotary_in_input_dtype(x, positions, theta):
     """Frequencies, angles and rotation all in x's dtype: fine in float32, wrong in fp16 and bf16."""
     d = x.shape[-1]
@@ -227,6 +236,7 @@ WRONG = [
     Wrong("attention_with_cache", "SDPA with an end-aligned mask and enable_gqa", sdpa_with_mask,
           "scaled_dot_product_attention", calls="torch.nn.functional.scaled_dot_product_attention"),
     Wrong("attention_with_cache", "no causal mask", no_mask_attention, "causal mask"),
+    Wrong("attention_with_cache", "zeroes the tensors it is given", zeroes_its_inputs, "the cache does not hold"),
     Wrong("attention_with_cache", "attends over the new tokens only", new_tokens_only, "differs from causal attention"),
     Wrong("attention_with_cache", "GQA group hard-coded to SmolLM2's 3", group_of_three, "not SmolLM2's 3"),
     Wrong("apply_rotary", "computed in the input's half precision", rotary_in_input_dtype, "compute the frequencies"),

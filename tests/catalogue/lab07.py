@@ -232,6 +232,12 @@ def gather_layer_zero(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
     return gather(kv_cache, block_table, seq_lengths, 0, kv_idx)
 
 
+def blank_the_cache(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
+    """Gathers nothing: overwrites the cache it reads, so that a reference taken from it afterwards is all zeros."""
+    kv_cache[:, :, kv_idx], kv_cache[:, :, 1 - kv_idx] = 0.0, 1.0
+    return kv_cache.new_zeros(len(seq_lengths), int(seq_lengths.max()), *kv_cache.shape[4:])
+
+
 def labkit_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
     out = gather_kv(kv_cache[:, layer_idx, kv_idx], block_table.clamp(min=0), int(seq_lengths.max()))
     return out * (torch.arange(out.shape[1])[None] < seq_lengths[:, None])[..., None, None]
@@ -353,6 +359,7 @@ WRONG = [
     Wrong("gather_kv_from_blocks", "ignored the block table", lambda *a: gather(*a, mode="contiguous"), "wrong places"),
     Wrong("gather_kv_from_blocks", "layer and K/V indices swapped", gather_swapped, "layer and K/V axes swapped"),
     Wrong("gather_kv_from_blocks", "always layer 0", gather_layer_zero, "asked for layer 1, gathered layer 0"),
+    Wrong("gather_kv_from_blocks", "overwrote the cache it reads", blank_the_cache, "your gather wrote into kv_cache"),
     Wrong("gather_kv_from_blocks", "returned a list per sequence", lambda *a: list(gather(*a)), "return a tensor"),
     Wrong("gather_kv_from_blocks", "calls labkit's gather_kv", labkit_gather, "`gather_kv`",
           calls="labkit.attention.reference.gather_kv"),

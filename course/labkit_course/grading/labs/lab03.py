@@ -64,7 +64,7 @@ def build_x(ns):
     for token_ids, start in (([3], 5), ([2, 6, 0], 4), ([1, 5], 6), ([4], 7)):
         n = len(token_ids)
         try:
-            got = fn(embeddings, positional, list(token_ids), start)
+            got = fn(embeddings.clone(), positional.clone(), list(token_ids), start)  # the references read these
         except Exception as error:
             if start + n == len(positional):
                 raise ExerciseFailed(f"{n} token(s) at positions {start}..{start + n - 1} with {len(positional)} "
@@ -95,7 +95,7 @@ def scaled_scores(ns):
     fn = require(ns, "scaled_scores")
     for n_q, n_k, d_k, seed in ((3, 5, 4, 32), (2, 2, 2, 33)):
         q, k = _random(n_q, d_k, seed=seed), _random(n_k, d_k, seed=seed + 100)
-        got = expect_tensor(fn(q, k), (n_q, n_k), f"scores of {n_q} queries against {n_k} keys")
+        got = expect_tensor(fn(q.clone(), k.clone()), (n_q, n_k), f"scores of {n_q} queries against {n_k} keys")
         raw = q @ k.T
         if _close(got, raw):
             raise ExerciseFailed("scores were not divided by sqrt(d_k)")

@@ -17,7 +17,7 @@ def embed_token(ns):
     fn = require(ns, "embed_token")
     embeddings, positional = _random(6, 3, seed=40), _random(8, 3, seed=41)
     for token_id, position in ((2, 5), (5, 3)):
-        got = fn(embeddings, positional, token_id, position)
+        got = fn(embeddings.clone(), positional.clone(), token_id, position)  # the references read these
         if isinstance(got, torch.Tensor) and tuple(got.shape) == (3,):
             raise ExerciseFailed("return one row of shape (1, d_model), not a flat vector: add .unsqueeze(0)")
         got = expect_tensor(got, (1, 3), "the new token's input row (1 x d_model)")
@@ -44,7 +44,7 @@ def append_and_attend(ns):
     cached, d_k = 4, 3
     cache_k, cache_v = _random(cached, d_k, seed=42), _random(cached, d_k, seed=43)
     q, k_new, v_new = _random(1, d_k, seed=44), _random(1, d_k, seed=45), _random(1, d_k, seed=46)
-    result = fn(cache_k.clone(), cache_v.clone(), q, k_new, v_new)
+    result = fn(cache_k.clone(), cache_v.clone(), q.clone(), k_new.clone(), v_new.clone())  # the references read these
     if not isinstance(result, tuple) or len(result) != 3:
         raise ExerciseFailed("return three things: (all keys, all values, attention output)")
     keys, values, out = result

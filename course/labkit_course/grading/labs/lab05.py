@@ -184,7 +184,8 @@ def _attention_steps(fn, hq, hkv, seed):
     outs, start = [], 0
     for n in steps:
         s = slice(start, start + n)
-        out = expect_tensor(fn(q[s], k[s], v[s], cache), (n, hq, d), f"the output of {n} new queries [n, Hq, D]")
+        new = (q[s].clone(), k[s].clone(), v[s].clone())  # not views of q, k, v: the references read those
+        out = expect_tensor(fn(*new, cache), (n, hq, d), f"the output of {n} new queries [n, Hq, D]")
         stored = cache.get("k")
         if not isinstance(stored, torch.Tensor) or stored.shape[:2] != (hkv, start + n):
             got = tuple(stored.shape) if isinstance(stored, torch.Tensor) else stored

@@ -201,8 +201,8 @@ def gather_kv_from_blocks(ns):
     kv_cache = torch.randn(12, 3, 2, 8, 2, 4, generator=g)  # [blocks, layers, K/V, block_size, heads, dim]
     block_table = torch.tensor([[5, 2, 9, -1], [0, 11, -1, -1], [7, 3, 1, 4]])
     seq_lengths = torch.tensor([20, 9, 29])
-    got = fn(kv_cache, block_table, seq_lengths, 1, 1)
     want = _reference_gather(kv_cache, block_table, seq_lengths, 1, 1)
+    got = _gather_reading_only(fn, kv_cache, block_table, seq_lengths, 1, 1)
     if not isinstance(got, torch.Tensor):
         raise ExerciseFailed(f"return a tensor, got {type(got).__name__}")
     if got.dim() == 5:
@@ -215,7 +215,8 @@ def gather_kv_from_blocks(ns):
     if torch.equal(got, _reference_gather(kv_cache, block_table, seq_lengths, 1, 0)):
         raise ExerciseFailed("gathered the keys: kv_idx = 1 asks for the values")
     _gathered_the_right_tokens(got, want, kv_cache, block_table, seq_lengths, 1, 1)
-    got = fn(kv_cache, block_table, seq_lengths, 0, 1)  # layer and K/V index unequal: the axes cannot be swapped
+    # layer and K/V index unequal: the axes cannot be swapped
+    got = _gather_reading_only(fn, kv_cache, block_table, seq_lengths, 0, 1)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         raise ExerciseFailed(f"layer_idx=0, kv_idx=1 gave {type(got).__name__} {tuple(getattr(got, 'shape', ()))}, "
                              f"not a tensor of shape {tuple(want.shape)}")
@@ -225,6 +226,17 @@ def gather_kv_from_blocks(ns):
     _gathered_the_right_tokens(got, _reference_gather(kv_cache, block_table, seq_lengths, 0, 1), kv_cache,
                                block_table, seq_lengths, 0, 1)
     return "each sequence's tokens in order, of the layer and K/V asked for, zero-padded to the longest"
+
+
+def _gather_reading_only(fn, kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
+    """fn's gather, which must leave its arguments as they were: the references are computed from them."""
+    given = (kv_cache.clone(), block_table.clone(), seq_lengths.clone())
+    got = fn(*given, layer_idx, kv_idx)
+    for name, before, after in zip(("kv_cache", "block_table", "seq_lengths"), (kv_cache, block_table, seq_lengths),
+                                   given, strict=True):
+        if not torch.equal(before, after):
+            raise ExerciseFailed(f"your gather wrote into {name}: a gather only reads the cache and its tables")
+    return got
 
 
 def _gathered_the_right_tokens(got, want, kv_cache, block_table, seq_lengths, layer_idx, kv_idx) -> None:
