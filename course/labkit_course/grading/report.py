@@ -339,8 +339,10 @@ def _csv(rows: list[list]) -> str:
 
 
 def _cell(name: str) -> str:
-    """A student's name for a spreadsheet: one that starts like a formula (=, +, -, @) is quoted as text."""
-    return "'" + name if name[:1] in ("=", "+", "-", "@", "\t", "\r") else name
+    """A name a student chose (a folder, a notebook), for a spreadsheet: escaped as the printed table
+    shows it (no escape sequences or line breaks), and quoted as text if it starts like a formula."""
+    name = escape(name)
+    return "'" + name if name[:1] in ("=", "+", "-", "@") else name
 
 
 def _write_atomically(path: Path, text: str) -> None:
