@@ -79,6 +79,9 @@ def mode(no_sandbox: bool = False) -> str:
     SandboxUnavailable, which says what to install or which option runs without it."""
     if no_sandbox:
         return "none"
+    problem = install_problem()
+    if problem:
+        raise SandboxUnavailable(problem)
     problem = bwrap_problem()
     if problem is None:
         return "bwrap"
@@ -91,6 +94,21 @@ def mode(no_sandbox: bool = False) -> str:
         "you trust, grade with --no-sandbox (with make: GRADE_ARGS=--no-sandbox): their code then runs with "
         "your privileges, can read and write whatever you can, use the network and see the other students' "
         "folders")
+
+
+def install_problem() -> str | None:
+    """None when labkit_course is imported from the checkout that grades (COURSE_ROOT/course); otherwise
+    why that matters. Installed anywhere else it lies in the Python environment, which every kernel
+    can read (the sandbox binds it): its graders and the quizzes' keys with it."""
+    import labkit_course
+
+    package = Path(labkit_course.__file__).resolve().parent
+    if package.is_relative_to(COURSE_ROOT / "course"):
+        return None
+    return (f"the course package is imported from {package}, not from the checkout at {COURSE_ROOT / 'course'}: "
+            "installed like that (pip install without -e), its graders and the knowledge checks' keys sit in the "
+            "Python environment, which every student's kernel can read. Install both packages from the checkout, "
+            "editable: make setup, or pip install -e . -e course")
 
 
 @functools.cache
@@ -229,7 +247,8 @@ def wrap_command(argv: list[str], workdir: Workdir, limits: Limits, uid: int | N
     made: set[Path] = set()  # mounted in order: what lies under /tmp goes on the fresh /tmp
     for path in _readable_trees():
         command += _parents(path, made) + ["--ro-bind", str(path), str(path)]
-    command += ["--tmpfs", str(COURSE_ROOT / GRADERS)]  # the graders, the quizzes' keys
+    graders = str(COURSE_ROOT / GRADERS)  # hidden (the graders, the quizzes' keys), and read-only: not a
+    command += ["--perms", "0555", "--tmpfs", graders, "--remount-ro", graders]  # disk to fill as its owner
     command += _parents(workdir.home, made) + [
         "--perms", "01777", "--size", size, "--tmpfs", str(workdir.home),
         "--perms", "01777", "--dir", str(workdir.home / "tmp"),
