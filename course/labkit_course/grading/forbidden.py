@@ -2,18 +2,26 @@
 
 An exercise names dotted paths ("labkit.sampling.filter_logits", "torch.Tensor.softmax") that
 answer it. While the student's code is being graded each of them is replaced by a tripwire that
-fails the exercise with a message naming it, and so is every name the student bound to the same
-object in their own namespace (`from labkit.sampling import filter_logits as f`); everything is
-restored afterwards. A static look at the definition's source catches the forbidden names even on
-a path the tests do not exercise. This is a rule the course states, not a wall: code running in
-the student's own process can always undo a tripwire, and a hand copy of labkit's source passes.
-What stops a forged score is that the score is computed elsewhere (see `labkit_course.grading.remote`).
+fails the exercise with a message naming it, and so is every other name bound to the same object:
+in the student's namespace (`from labkit.sampling import filter_logits as f`), in every loaded
+labkit module and its classes (labkit re-exports its functions: `labkit.sampling.sampler.apply_top_k`),
+and what a forbidden object wraps (`functools.wraps`'s `__wrapped__`, a partial's `func`) counts as
+the object itself. Everything is restored afterwards. A static look at the definition's source
+catches the forbidden names even on a path the tests do not exercise.
+
+This is a rule the course states, not a wall. Code running in the student's own process can always
+undo a tripwire: it can reach this module (`labkit_course.grading.forbidden`) and replace
+`Tripwires.armed` with a no-op, patch the agent that arms it, or keep a labkit function in a
+container no scan looks into; and a hand copy of labkit's source passes. `labkit_course.grading.rules`
+fails the notebooks that visibly do such things; what stops a forged *score* is that the score is
+computed elsewhere (see `labkit_course.grading.remote`).
 """
 
 import ast
 import functools
 import importlib
 import inspect
+import sys
 import textwrap
 from contextlib import contextmanager
 
@@ -77,6 +85,12 @@ class Tripwires:
                 cell.cell_contents = self._wire(targets[id(held)])
                 self._captured.append(lambda cell=cell, held=held: setattr(cell, "cell_contents", held))
 
+    def _wire_namespace(self, namespace: dict, targets: dict[int, str]) -> None:
+        for key, value in list(namespace.items()):
+            if id(value) in targets:
+                self._aliases.append((namespace, key, value))
+                namespace[key] = self._wire(targets[id(value)])
+
     def _wire(self, path: str):
         def tripwire(*args, **kwargs):
             self.tripped.append(path)
@@ -87,9 +101,10 @@ class Tripwires:
 
     @contextmanager
     def armed(self, *namespaces: dict, functions: tuple = ()):
-        """Tripwires in place for the duration, in the forbidden objects' homes, under every name bound to
-        them in `namespaces`, and in the default arguments and closures of `functions`; a function that is
-        itself a forbidden object is tripped at once. Nested arming is a no-op."""
+        """Tripwires in place for the duration, in the forbidden objects' homes, in every labkit module and
+        class that holds them (or what they wrap), under every name bound to them in `namespaces`, and in the
+        default arguments and closures of `functions`; a function that is itself a forbidden object, or
+        wraps one, is tripped at once. Nested arming is a no-op."""
         if not self.forbidden or self._depth:
             self._depth += 1
             try:
@@ -99,23 +114,28 @@ class Tripwires:
             return
         self._depth += 1
         try:
+            homes = [(path, *resolve(path)) for path in self.forbidden]
             targets = {}
-            for path in self.forbidden:
-                owner, name = resolve(path)
-                original = getattr(owner, name)
-                targets[id(original)] = path
-                self._saved.append((owner, name, name in vars(owner), original))
+            for path, owner, name in homes:
+                targets.update((id(link), path) for link in _links(getattr(owner, name)) if id(link) not in targets)
+            for path, owner, name in homes:
+                self._saved.append((owner, name, name in vars(owner), getattr(owner, name)))
                 setattr(owner, name, self._wire(path))
-            for namespace in {id(ns): ns for ns in namespaces}.values():
-                for key, value in list(namespace.items()):
+            namespaces_of_labkit, classes_of_labkit = _labkit_homes(len(sys.modules))
+            for namespace in namespaces_of_labkit:
+                self._wire_namespace(namespace, targets)
+            for klass in classes_of_labkit:
+                for name, value in list(vars(klass).items()):
                     if id(value) in targets:
-                        self._aliases.append((namespace, key, value))
-                        namespace[key] = self._wire(targets[id(value)])
+                        self._saved.append((klass, name, True, value))
+                        setattr(klass, name, self._wire(targets[id(value)]))
+            for namespace in {id(ns): ns for ns in namespaces}.values():
+                self._wire_namespace(namespace, targets)
             for function in functions:
                 self._wire_captured(function, targets)
-                held = getattr(function, "func", function)  # a functools.partial holds its function
-                if id(held) in targets:  # the student's definition *is* the reference (`f = labkit's f`)
-                    self.tripped.append(targets[id(held)])
+                held = next((targets[id(link)] for link in _links(function) if id(link) in targets), None)
+                if held:  # the student's definition *is* the reference (`f = labkit's f`, or a wrapper of it)
+                    self.tripped.append(held)
             yield self
         finally:
             self._depth -= 1
@@ -131,6 +151,30 @@ class Tripwires:
                     delattr(owner, name)
             self._aliases.clear()
             self._saved.clear()
+
+
+def _links(value, limit: int = 16):
+    """`value` and what it stands for: `functools.wraps`'s `__wrapped__` (an `lru_cache` too), a
+    partial's `func`, a bound method's `__func__`, followed down the chain."""
+    seen = set()
+    while value is not None and id(value) not in seen and len(seen) < limit:
+        seen.add(id(value))
+        yield value
+        value = next((getattr(value, attribute) for attribute in ("__wrapped__", "func", "__func__")
+                      if getattr(value, attribute, None) is not None), None)
+
+
+@functools.lru_cache(maxsize=1)
+def _labkit_homes(modules_loaded: int) -> tuple[list[dict], list[type]]:
+    """The namespaces of the loaded modules of labkit and of the course (not its graders), and the
+    classes they define: where labkit re-exports its answers. Found again when the number of loaded
+    modules changes (an import)."""
+    modules = [(name, module) for name, module in list(sys.modules.items())
+               if name.startswith("labkit") and name.partition(".")[0] in ("labkit", "labkit_course")
+               and not name.startswith("labkit_course.grading") and module is not None]
+    classes = {id(value): value for name, module in modules for value in list(vars(module).values())
+               if isinstance(value, type) and value.__module__ == name}
+    return [vars(module) for _, module in modules], list(classes.values())
 
 
 def _captures(function) -> tuple:
