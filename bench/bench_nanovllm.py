@@ -132,14 +132,14 @@ class StepTimer:
     def _wrap(self, obj, name: str, label: str) -> None:
         method = getattr(obj, name)
 
-        def timed(*args, **kwargs):
+        def wrapped(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 self.seconds[label] += time.perf_counter() - start
 
-        setattr(obj, name, timed)
+        setattr(obj, name, wrapped)
 
     def breakdown(self, wall: float) -> str:
         parts = dict(self.seconds)

@@ -173,8 +173,8 @@ class ModelRunner:
         """
         if all(seq.params.greedy and not seq.params.changes_logits for seq in seqs):
             return greedy_tokens(logits).tolist()
-        # Only a penalty reads the prompts: copying 256 prompts' ids out of their sequences each step costs more
-        # than the rest of the sampler's host work.
+        # Only a penalty reads the prompts (changes_logits covers every penalty): copying 256 prompts' ids out
+        # of their sequences each step costs more than the rest of the sampler's host work.
         penalized = any(seq.params.changes_logits for seq in seqs)
         metadata = SamplingMetadata.from_requests([seq.params for seq in seqs],
                                                   [seq.prompt_token_ids if penalized else () for seq in seqs],
