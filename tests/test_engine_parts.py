@@ -1,4 +1,4 @@
-"""The engine's plug-in parts (labkit/engine/parts.py): labkit's defaults and independently written
+"""The engine's plug-in parts (course/labkit_course/engine_parts.py): labkit's defaults and independently written
 parts give the unmodified engine's tokens; wrong parts give other tokens or a PartError naming them;
 a part that raises leaks no block and no request.
 
@@ -15,9 +15,9 @@ import torch
 from labkit.cache.block_manager import hash_block
 from labkit.engine import LLM, FinishReason
 from labkit.engine.components import EngineComponents
-from labkit.engine.parts import EngineParts, PartError
 from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model
 from labkit.sampling import SamplingParams
+from labkit_course.engine_parts import EngineParts, PartError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
@@ -294,7 +294,7 @@ def test_the_grading_codec_carries_what_the_parts_are_given():
     from grading_support import write_back
 
     from labkit.cache.block_manager import Block
-    from labkit.engine.parts import Request
+    from labkit_course.engine_parts import Request
     from labkit_course.grading.codec import Decoder, Encoder, dumps, loads
 
     blocks = [Block(0), Block(1, 0, 2**127 + 5, (1, 2))]

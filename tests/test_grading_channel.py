@@ -144,7 +144,7 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "class Launcher(KernelInterface):\n"
         "    def run(self, src, dst, n, *, grid, warmup, **constexprs):\n        dst.copy_(src)\n"
         "def torch_behind_kernel_interface():\n    return Launcher()",
-        "from labkit.attention import triton_kernels\nLABKIT_STORE = triton_kernels._kernels()[0]\n"
+        "from labkit.attention import triton_kernels\nLABKIT_STORE = triton_kernels.jit_kernels()[0]\n"
         "@triton.jit\ndef through_labkit(src, dst, n, BLOCK: tl.constexpr):\n"
         "    LABKIT_STORE(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
         "@triton.jit\ndef helper_of_mine(src, dst, n, BLOCK: tl.constexpr):\n    through_labkit(src, dst, n, BLOCK)\n"
@@ -552,15 +552,15 @@ def test_a_forbidden_function_kept_in_a_default_argument_or_a_closure_is_tripped
 
 
 def test_a_reference_handed_in_as_the_answer_itself_is_tripped():
-    from labkit.engine.parts import labkit_schedule_step
+    from labkit_course.engine_parts import labkit_schedule_step
 
     outcome = run_exercise(get_exercise("00", "softmax"), {"softmax": torch.softmax})
     assert not outcome.passed and "`torch.softmax`" in outcome.message
     parts = type("CapstoneParts", (), {"schedule_step": staticmethod(labkit_schedule_step)})
-    wires = Tripwires(("labkit.engine.parts.labkit_schedule_step",))
+    wires = Tripwires(("labkit_course.engine_parts.labkit_schedule_step",))
     with wires.armed({}, functions=(parts().schedule_step,)):
         pass
-    assert wires.tripped == ["labkit.engine.parts.labkit_schedule_step"]
+    assert wires.tripped == ["labkit_course.engine_parts.labkit_schedule_step"]
     wires = Tripwires(("torch.softmax",))
     with wires.armed({}, functions=(functools.partial(torch.softmax, dim=-1),)):
         pass

@@ -23,7 +23,7 @@ def test_reference_victim_is_the_schedulers():
         queue = ranked[[r.id for r in ranked].index(grower):]  # the grower and everything ranking below it
         blocks = [Block(b, ref_count=n) for b, n in sorted(ref_counts.items())]
         manager = SimpleNamespace(blocks=blocks, shared_write_block=lambda seq, w=write_block: w)
-        real = Scheduler._victim(SimpleNamespace(block_manager=manager), queue)
+        real = Scheduler.choose_victim(SimpleNamespace(block_manager=manager), queue)
         assert reference_choose_victim(grower, running, ref_counts, write_block) == real.id
 
 

@@ -8,11 +8,11 @@ from engine_support import assert_no_leak
 from serve_support import tiny_model
 
 from labkit.engine import LLM, SpeculativeConfig
-from labkit.engine.parts import EngineParts
 from labkit.engine.speculative import first_layers, ngram_lookup, verify_greedy, verify_sampled
 from labkit.model import load_model
 from labkit.sampling import BeamSearchParams, SamplingParams
 from labkit.tokenizer import load_tokenizer
+from labkit_course.engine_parts import EngineParts
 
 PROMPTS = ["1, 2, 3, 1, 2, 3, 1, 2,", "Hello there, hello there, hello", "The capital of France is",
            "a b a b a b a b a b", "The capital of France is Paris. The capital of"]

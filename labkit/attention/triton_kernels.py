@@ -34,7 +34,7 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 @functools.cache
-def _kernels():
+def jit_kernels():
     import triton
     import triton.language as tl
 
@@ -117,7 +117,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Triton twin of `labkit.cache.paged_storage.store_kv`: k/v [T, Hkv, D] into [N, bs, Hkv, D] slots."""
-    store_kv_kernel, _, next_power_of_2 = _kernels()
+    store_kv_kernel, _, next_power_of_2 = jit_kernels()
     if k.shape != v.shape or k.shape[0] != slot_mapping.numel() or k.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)} "
                          f"do not match a cache with rows {tuple(k_cache.shape[2:])}")
@@ -142,7 +142,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode of 64 sequences x 2048 tokens from 82% to 94% of the measured copy bandwidth, and Qwen3-0.6B's
     256 x 800 from 92% to 97% (reports/gpu/2026-11-26-*); prefill keeps Triton's choice.
     """
-    _, kernel, next_power_of_2 = _kernels()
+    _, kernel, next_power_of_2 = jit_kernels()
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if num_heads % num_kv_heads:

@@ -69,6 +69,42 @@ class PrefixCacheStats:
     evictions: int = 0  # cached blocks reused for new content
 
 
+def find_prefix_hits(token_ids: list[int], block_size: int, hash_to_block: dict[int, int],
+                     blocks: list[Block]) -> list[Block]:
+    """The cached blocks a prompt can reuse: full blocks from the start, stopping at the first miss.
+
+    Only blocks that lie wholly before the last token count, so at least one token is left
+    to compute (the logits of the last prompt token are what the step is for).
+    """
+    hits: list[Block] = []
+    prev = None
+    for i in range((len(token_ids) - 1) // block_size):
+        tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        h = hash_block(prev, tokens)
+        block_id = hash_to_block.get(h)
+        if block_id is None or blocks[block_id].token_ids != tokens:
+            break
+        hits.append(blocks[block_id])
+        prev = h
+    return hits
+
+
+def pop_free_block(free_uncached: deque[int], free_cached: OrderedDict[int, None], hash_to_block: dict[int, int],
+                   blocks: list[Block]) -> int:
+    """Take a free block for new content and give it ref_count 1: a never-cached one if there is one,
+    else the least recently freed cached one, evicted (its hash entry removed, so no stale entry
+    points at reused content)."""
+    if free_uncached:
+        block_id = free_uncached.popleft()
+    else:
+        block_id, _ = free_cached.popitem(last=False)
+        block = blocks[block_id]
+        del hash_to_block[block.hash]
+        block.hash = block.token_ids = None
+    blocks[block_id].ref_count = 1
+    return block_id
+
+
 class BlockStorage(Protocol):
     """Where swap_out / swap_in copy a sequence's K/V, and copy-on-write copies blocks (PagedKVStorage)."""
 
@@ -96,20 +132,20 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
-        self._free_uncached: deque[int] = deque(range(num_blocks))  # hold nothing reusable
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # hold a cached prefix; LRU first
+        self.free_uncached: deque[int] = deque(range(num_blocks))  # hold nothing reusable
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # hold a cached prefix; LRU first
         self._swapped: dict[object, _SwappedKV] = {}
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_uncached) + len(self._free_cached)
+        return len(self.free_uncached) + len(self.free_cached)
 
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (evicted last, least recently freed first)."""
-        return len(self._free_cached)
+        return len(self.free_cached)
 
     @property
     def num_used_blocks(self) -> int:
@@ -122,34 +158,19 @@ class BlockManager:
         return seq.seq_id in self._swapped
 
     def prefix_hits(self, token_ids: list[int]) -> list[Block]:
-        """The cached blocks a prompt can reuse: full blocks from the start, stopping at the first miss.
-
-        Only blocks that lie wholly before the last token count, so at least one token is left
-        to compute (the logits of the last prompt token are what the step is for).
-        """
+        """The cached blocks a prompt can reuse (`find_prefix_hits` over this pool)."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        hits: list[Block] = []
-        prev = None
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(prev, tokens)
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
-            hits.append(self.blocks[block_id])
-            prev = h
-        return hits
+        return find_prefix_hits(token_ids, self.block_size, self.hash_to_block, self.blocks)
 
-    def _blocks_to_take(self, token_ids: list[int], hits: list[Block]) -> int:
+    def blocks_to_take(self, token_ids: list[int], hits: list[Block]) -> int:
         """Free blocks that allocating these tokens consumes (hits on free cached blocks included)."""
         return self.blocks_needed(len(token_ids)) - sum(b.ref_count > 0 for b in hits)
 
     # ---- prefill -------------------------------------------------------------------------
     def can_allocate(self, seq: SequenceBlocks, use_prefix_cache: bool = True) -> bool:
         hits = self.prefix_hits(seq.token_ids) if use_prefix_cache else []
-        return self._blocks_to_take(seq.token_ids, hits) <= self.num_free_blocks
+        return self.blocks_to_take(seq.token_ids, hits) <= self.num_free_blocks
 
     def allocate(self, seq: SequenceBlocks, use_prefix_cache: bool = True) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
@@ -164,7 +185,7 @@ class BlockManager:
         if not seq.token_ids:
             raise ValueError(f"sequence {seq.seq_id!r} has no tokens to allocate blocks for")
         hits = self.prefix_hits(seq.token_ids) if use_prefix_cache else []
-        need = self._blocks_to_take(seq.token_ids, hits)
+        need = self.blocks_to_take(seq.token_ids, hits)
         if need > self.num_free_blocks:
             raise KVCacheExhausted(
                 f"sequence {seq.seq_id!r} ({len(seq.token_ids)} tokens) needs {need} free blocks, "
@@ -173,18 +194,19 @@ class BlockManager:
         table = []
         for block in hits:
             if block.ref_count == 0:
-                del self._free_cached[block.block_id]  # revive a freed block that kept its prefix
+                del self.free_cached[block.block_id]  # revive a freed block that kept its prefix
             block.ref_count += 1
             table.append(block.block_id)
         for _ in range(self.blocks_needed(len(seq.token_ids)) - len(hits)):
-            table.append(self._take_free_block())
+            table.append(self.take_free_block())
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
         self.stats.queried_tokens += len(seq.token_ids)
         self.stats.hit_tokens += seq.num_cached_tokens
 
     # ---- decode ----------------------------------------------------------------------------
-    def _missing_blocks(self, seq: SequenceBlocks) -> int:
+    def missing_blocks(self, seq: SequenceBlocks) -> int:
+        """Blocks `seq` still needs for the tokens it holds; an error if it holds none or lost tokens."""
         if not seq.block_table:
             raise ValueError(f"sequence {seq.seq_id!r} holds no blocks; allocate (or swap_in) it first")
         missing = self.blocks_needed(len(seq.token_ids)) - len(seq.block_table)
@@ -195,7 +217,7 @@ class BlockManager:
             )
         return missing
 
-    def _shared_write_block(self, seq: SequenceBlocks) -> int | None:
+    def shared_write_index(self, seq: SequenceBlocks) -> int | None:
         """Index in seq.block_table of the shared block its next write lands in, if any (copy-on-write)."""
         index = seq.num_cached_tokens // self.block_size
         if index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1:
@@ -204,12 +226,12 @@ class BlockManager:
 
     def shared_write_block(self, seq: SequenceBlocks) -> int | None:
         """The id of the shared block `seq`'s next token is written into, if any: `append` will copy it."""
-        index = self._shared_write_block(seq)
+        index = self.shared_write_index(seq)
         return None if index is None else seq.block_table[index]
 
     def can_append(self, seq: SequenceBlocks) -> bool:
-        cow = self._shared_write_block(seq) is not None
-        return self._missing_blocks(seq) + cow <= self.num_free_blocks
+        cow = self.shared_write_index(seq) is not None
+        return self.missing_blocks(seq) + cow <= self.num_free_blocks
 
     def append(self, seq: SequenceBlocks, storage: BlockStorage | None = None) -> list[tuple[int, int]]:
         """After tokens were appended to `seq`: add blocks for them and cache newly computed full blocks.
@@ -220,8 +242,8 @@ class BlockManager:
         before the block table changes, so an interrupted copy leaves the sequence as it was;
         without it the caller copies the pairs.
         """
-        missing = self._missing_blocks(seq)
-        shared = self._shared_write_block(seq)
+        missing = self.missing_blocks(seq)
+        shared = self.shared_write_index(seq)
         if missing + (shared is not None) > self.num_free_blocks:
             raise KVCacheExhausted(
                 f"sequence {seq.seq_id!r} needs {missing + (shared is not None)} more block(s), "
@@ -230,18 +252,18 @@ class BlockManager:
         self.cache_computed_blocks(seq)
         copies = []
         if shared is not None:
-            source, destination = seq.block_table[shared], self._take_free_block()
+            source, destination = seq.block_table[shared], self.take_free_block()
             if storage is not None:
                 try:
                     storage.copy_blocks([(source, destination)])
                 except BaseException:
                     self.blocks[destination].ref_count = 0
-                    self._free_uncached.appendleft(destination)
+                    self.free_uncached.appendleft(destination)
                     raise
             self.blocks[source].ref_count -= 1  # still > 0: the other owners keep it
             seq.block_table[shared] = destination
             copies.append((source, destination))
-        seq.block_table.extend(self._take_free_block() for _ in range(missing))
+        seq.block_table.extend(self.take_free_block() for _ in range(missing))
         return copies
 
     def fork(self, parent: SequenceBlocks, child: SequenceBlocks) -> None:
@@ -300,7 +322,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:  # never computed: no hash to keep
                 block.hash = block.token_ids = None
-                self._free_uncached.append(block_id)
+                self.free_uncached.append(block_id)
         del seq.block_table[keep:]
 
     def deallocate(self, seq: SequenceBlocks) -> None:
@@ -312,10 +334,10 @@ class BlockManager:
         swapped = self._swapped.pop(seq.seq_id, None)
         if not seq.block_table and swapped is None:
             raise ValueError(f"sequence {seq.seq_id!r} holds no blocks (never allocated, or freed already)")
-        self._release_table(seq)
+        self.release_table(seq)
         seq.num_cached_tokens = 0
 
-    def _release_table(self, seq: SequenceBlocks) -> None:
+    def release_table(self, seq: SequenceBlocks) -> None:
         self.cache_computed_blocks(seq)
         for block_id in reversed(seq.block_table):  # the tail first, so LRU evicts tails before heads
             block = self.blocks[block_id]
@@ -323,22 +345,18 @@ class BlockManager:
             if block.ref_count > 0:
                 continue
             if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-                self._free_cached[block_id] = None
+                self.free_cached[block_id] = None
             else:  # partial, not yet computed, or a duplicate of a block cached elsewhere
                 block.hash = block.token_ids = None
-                self._free_uncached.append(block_id)
+                self.free_uncached.append(block_id)
         seq.block_table = []
 
-    def _take_free_block(self) -> int:
-        if self._free_uncached:
-            block_id = self._free_uncached.popleft()
-        else:
-            block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
-            block = self.blocks[block_id]
-            del self.hash_to_block[block.hash]  # no stale entry may point at reused content
-            block.hash = block.token_ids = None
-            self.stats.evictions += 1
-        self.blocks[block_id].ref_count = 1
+    def take_free_block(self) -> int:
+        """A free block for new content, owned by the caller (ref_count 1): the eviction policy,
+        `pop_free_block`, over this pool. Subclasses may choose otherwise (the course's engine parts do)."""
+        evicting = not self.free_uncached
+        block_id = pop_free_block(self.free_uncached, self.free_cached, self.hash_to_block, self.blocks)
+        self.stats.evictions += evicting
         return block_id
 
     # ---- swapping (the sequence design note's Swapped state) -----------------------------------
@@ -350,7 +368,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id!r} is already swapped out")
         data = storage.read_blocks(seq.block_table)
         self._swapped[seq.seq_id] = _SwappedKV(data, len(seq.block_table))
-        self._release_table(seq)
+        self.release_table(seq)
 
     def can_swap_in(self, seq: SequenceBlocks) -> bool:
         swapped = self._swapped.get(seq.seq_id)
@@ -368,16 +386,16 @@ class BlockManager:
                 f"swap in, {self.num_free_blocks} are free"
             )
         swapped = self._swapped.pop(seq.seq_id)
-        seq.block_table = [self._take_free_block() for _ in range(swapped.num_blocks)]
+        seq.block_table = [self.take_free_block() for _ in range(swapped.num_blocks)]
         storage.write_blocks(seq.block_table, swapped.data)
 
     # ---- consistency -------------------------------------------------------------------------
     def check_invariants(self, sequences=None) -> None:
         """Raise RuntimeError naming the first broken invariant; with `sequences` (every live one),
         also check that each block's reference count equals the number of tables listing it."""
-        free_uncached, free_cached = set(self._free_uncached), set(self._free_cached)
+        free_uncached, free_cached = set(self.free_uncached), set(self.free_cached)
         problems = []
-        if len(free_uncached) != len(self._free_uncached):
+        if len(free_uncached) != len(self.free_uncached):
             problems.append("a block is listed twice in the free pool")
         if free_uncached & free_cached:
             problems.append(f"blocks {sorted(free_uncached & free_cached)} are in both free lists")

@@ -12,8 +12,19 @@ an object that does what labkit's does (usually a subclass of it that overrides 
 | `scheduler`     | `(scheduler_config, block_manager, kv_storage)`              | `Scheduler`    |
 | `model_runner`  | `(model, storage, attention_backend, fast_path)`             | `ModelRunner`  |
 
-The course plugs students' functions in this way (its `EngineParts.components()`); the engine
-itself knows nothing of who passes what.
+The methods a subclass overrides to change one decision, each public and documented where it is defined:
+
+- `BlockManager`: `prefix_hits` (which cached blocks a prompt reuses), `take_free_block` (which free
+  block new content goes into: the eviction policy), `can_append`, and `allocate` / `append` / `swap_in`
+  around which a subclass may wrap its own bookkeeping (it reads `blocks`, `hash_to_block`,
+  `free_uncached` and `free_cached`, the pool's state);
+- `Scheduler`: `schedule` (one step's plan) and `admit_waiting` (which waiting requests join it, through
+  `admit`, `chunk_size`, `order` and `uses_prefix_cache`);
+- `ModelRunner`: `prepare` (one step's tensors, `flatten_step` by default, handed on to `step_inputs`)
+  and `sampler` (a `Sampler` whose `filter` may be replaced).
+
+The course plugs students' functions in this way (`labkit_course.engine_parts`); the engine itself
+knows nothing of who passes what.
 """
 
 import dataclasses

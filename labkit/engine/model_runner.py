@@ -20,12 +20,14 @@ tokens from one row (the n samples of a prompt) and read the logprobs of the raw
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
+from labkit.cache.sequence_blocks import SequenceBlocks
 from labkit.engine.fast_path import FastPath
 from labkit.engine.sequence import Sequence
 from labkit.model.layers import fused_elementwise
@@ -60,6 +62,40 @@ def padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(padded)
 
 
+class StepTensors(NamedTuple):
+    input_ids: torch.Tensor  # [T] the new tokens of every sequence, concatenated
+    positions: torch.Tensor  # [T]
+    cu_seqlens_q: torch.Tensor  # [B + 1] where each sequence's new tokens start
+    cu_seqlens_k: torch.Tensor  # [B + 1] running sum of each sequence's context (cached + new)
+    slot_mapping: torch.Tensor  # [T] the KV-cache slot each new token's K/V goes to
+    block_tables: torch.Tensor  # [B, longest] int32, padded with -1
+
+
+def flatten_step(seqs: list[SequenceBlocks], num_new_tokens: list[int], block_size: int) -> StepTensors:
+    """One step's tensors, on the CPU: sequence i computes its tokens num_cached_tokens .. + num_new_tokens[i]."""
+    input_ids: list[int] = []
+    starts, ends, tables = [], [], []
+    for seq, n in zip(seqs, num_new_tokens, strict=True):
+        start = seq.num_cached_tokens
+        input_ids.extend(seq.token_ids[start:start + n])
+        starts.append(start)
+        ends.append(start + n)
+        tables.append(seq.block_table)
+    q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
+    cu_q = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=cu_q[1:])
+    cu_k = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(ends, dtype=torch.int64), 0, out=cu_k[1:])
+    # positions: start_i, start_i + 1, ... for each sequence, without a Python loop over tokens.
+    seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+    offset = torch.tensor(starts, dtype=torch.int64) - cu_q[:-1]
+    positions = torch.arange(int(cu_q[-1])) + offset[seq_index]
+    block_tables = padded_block_tables(tables)
+    blocks = block_tables[seq_index, positions // block_size].to(torch.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+    return StepTensors(torch.tensor(input_ids, dtype=torch.int64), positions, cu_q, cu_k, slot_mapping, block_tables)
+
+
 class StepInputs:
     """The tensors of one step, plus which rows of the flat batch get logits."""
 
@@ -86,28 +122,7 @@ class ModelRunner:
 
         `num_scored[i]`: how many of seqs[i]'s last rows get logits if it is sampled (default 1;
         speculative decoding scores every draft)."""
-        input_ids: list[int] = []
-        starts, ends, tables = [], [], []
-        for seq, n in zip(seqs, num_new_tokens, strict=True):
-            start = seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            starts.append(start)
-            ends.append(start + n)
-            tables.append(seq.block_table)
-        q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
-        cu_q = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=cu_q[1:])
-        cu_k = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor(ends, dtype=torch.int64), 0, out=cu_k[1:])
-        # positions: start_i, start_i + 1, ... for each sequence, without a Python loop over tokens.
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        offset = torch.tensor(starts, dtype=torch.int64) - cu_q[:-1]
-        positions = torch.arange(int(cu_q[-1])) + offset[seq_index]
-        block_tables = padded_block_tables(tables)
-        blocks = block_tables[seq_index, positions // self.block_size].to(torch.int64)
-        slot_mapping = blocks * self.block_size + positions % self.block_size
-        return self.step_inputs(seqs, torch.tensor(input_ids, dtype=torch.int64), positions, cu_q, cu_k,
-                                slot_mapping, block_tables, num_scored)
+        return self.step_inputs(seqs, *flatten_step(seqs, num_new_tokens, self.block_size), num_scored)
 
     def step_inputs(self, seqs: list[Sequence], input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping,
                     block_tables, num_scored: list[int] | None = None) -> StepInputs:

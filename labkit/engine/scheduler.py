@@ -174,8 +174,8 @@ class Scheduler:
                     self.running.append(queue.pop(0))  # stays running, just not in this step
                     continue
                 while not bm.can_append(seq):
-                    victim = self._victim(queue)
-                    self._preempt(victim, out)
+                    victim = self.choose_victim(queue)
+                    self.preempt(victim, out)
                     queue.remove(victim)
                     if victim is seq:
                         break
@@ -184,7 +184,7 @@ class Scheduler:
                     # A prefill leaves one token of the budget to every decode still to come: a
                     # long prompt must not stall them.
                     decodes_after = sum(not s.is_prefill for s in queue[1:]) if seq.is_prefill else 0
-                    n = self._chunk(seq, budget - decodes_after)
+                    n = self.chunk_size(seq, budget - decodes_after)
                     queue.pop(0)
                     if n == 0 and seq.is_prefill:  # the decodes behind it took what was left
                         self.running.append(seq)
@@ -208,16 +208,16 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.swapped.pop(0)
             out.swapped_in.append(seq)
-            n = self._chunk(seq, budget)
+            n = self.chunk_size(seq, budget)
             self._take(seq, n, out)
             budget -= n
 
         if self.swapped:  # the swapped come back before anything new starts
             return out
-        self._admit_waiting(out, budget)
+        self.admit_waiting(out, budget)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Step 3: admit waiting sequences in order while blocks, `budget` tokens and seats last."""
         self.waiting.sort(key=self.order)
         while self.waiting and budget > 0 and self._has_seats_for(self.waiting[0]):
@@ -226,7 +226,7 @@ class Scheduler:
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
-            n = self._admit(seq, budget, out)
+            n = self.admit(seq, budget, out)
             budget -= n
 
     @staticmethod
@@ -244,7 +244,7 @@ class Scheduler:
         """False for a request that wants every prompt position's logprobs: all of them are computed."""
         return not seq.needs_prompt_logprobs
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Move `seq` from waiting to running with its blocks; it computes up to `budget` tokens now."""
         self.block_manager.allocate(seq, self.uses_prefix_cache(seq))
         # A prompt cached in full still runs its last token: that row gives the next token's logits.
@@ -254,7 +254,7 @@ class Scheduler:
             seq.num_prefix_cached_tokens = seq.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
         self.waiting.remove(seq)
-        n = self._chunk(seq, budget)
+        n = self.chunk_size(seq, budget)
         self._take(seq, n, out)
         return n
 
@@ -266,14 +266,14 @@ class Scheduler:
         age_bonus = 0 if aging is None else (self.num_steps - seq.arrival_step) // aging
         return (-(seq.priority + age_bonus), seq.arrival_order)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def chunk_size(self, seq: Sequence, budget: int) -> int:
         """How many of its uncomputed tokens `seq` runs now: what the budget allows, and a prefill
         at most `long_prefill_token_threshold` (when set) so one long prompt cannot take a step."""
         n = min(seq.num_uncomputed_tokens, max(budget, 0))
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 and seq.is_prefill else n
 
-    def _victim(self, queue: list[Sequence]) -> Sequence:
+    def choose_victim(self, queue: list[Sequence]) -> Sequence:
         """The sequence to preempt so that `queue[0]` can grow: the lowest in order whose release
         helps it, else `queue[0]` itself. A release helps if it frees a block (ref_count 1: a block
         shared by a fork or the prefix cache frees nothing), or if the victim is the only other
@@ -293,7 +293,7 @@ class Scheduler:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.num_preemptions += 1
         if self.config.preemption_mode == "swap":
             self.block_manager.swap_out(seq, self.kv_storage)

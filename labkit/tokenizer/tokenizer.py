@@ -89,12 +89,12 @@ class Tokenizer:
                 ids.append(self.special_tokens[chunk])
             elif chunk:
                 for piece in self._regex.findall(chunk):
-                    ids.extend(self._encode_piece(piece))
+                    ids.extend(self.encode_piece(piece))
         if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:
             ids.append(self.eos_token_id)
         return ids
 
-    def _encode_piece(self, piece: str) -> list[int]:
+    def encode_piece(self, piece: str) -> list[int]:
         ids = self._piece_cache.get(piece)
         if ids is None:
             byte_ids = self._byte_ids

@@ -17,7 +17,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.jit import KernelInterface  # noqa: E402
 
 from catalogue import Right, Wrong  # noqa: E402
-from labkit.attention.triton_kernels import _kernels  # noqa: E402
+from labkit.attention.triton_kernels import jit_kernels  # noqa: E402
 
 
 def variant(kernel, **switches):
@@ -256,7 +256,7 @@ def _blank_decode(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, co
                  mask=offs < tl.where(block >= 0, rows, 0))
 
 
-LABKIT_STORE = _kernels()[0]  # labkit's own store kernel, taken before any tripwire is armed
+LABKIT_STORE = jit_kernels()[0]  # labkit's own store kernel, taken before any tripwire is armed
 
 
 @triton.jit
@@ -267,7 +267,7 @@ def _store_by_labkit(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.c
 
 def labkit_kernel(index):
     def answer():
-        return _kernels()[index]
+        return jit_kernels()[index]
     return answer
 
 
@@ -302,8 +302,8 @@ WRONG = [
     Wrong("store_kv_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
     Wrong("store_kv_kernel", "calls labkit's store kernel from its own", lambda: _store_by_labkit,
           "`store_kv_kernel` is labkit's answer to this exercise"),
-    Wrong("store_kv_kernel", "returns labkit's kernel", labkit_kernel(0), "`_kernels`",
-          calls="labkit.attention.triton_kernels._kernels"),
+    Wrong("store_kv_kernel", "returns labkit's kernel", labkit_kernel(0), "`jit_kernels`",
+          calls="labkit.attention.triton_kernels.jit_kernels"),
     Wrong("paged_decode_kernel", "no mask past the context", decode_variant(mask=False), "past the context length"),
     Wrong("paged_decode_kernel", "GQA head by modulo", decode_variant(gqa="mod"), "h % NUM_KV_HEADS"),
     Wrong("paged_decode_kernel", "GQA ignored: KV head = query head", decode_variant(gqa="same"),
@@ -324,8 +324,8 @@ WRONG = [
     Wrong("paged_decode_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
     Wrong("paged_decode_kernel", "zeroes the values it reads, and its output", lambda: _blank_decode,
           "your kernel wrote into v_cache"),
-    Wrong("paged_decode_kernel", "returns labkit's kernel", labkit_kernel(1), "`_kernels`",
-          calls="labkit.attention.triton_kernels._kernels"),
+    Wrong("paged_decode_kernel", "returns labkit's kernel", labkit_kernel(1), "`jit_kernels`",
+          calls="labkit.attention.triton_kernels.jit_kernels"),
     Wrong("paged_prefill_kernel", "causal diagonal from the top-left", prefill_variant(visible="top_left"),
           "as if the prompt started the context"),
     Wrong("paged_prefill_kernel", "no causal mask", prefill_variant(visible="all"), "no causal mask"),
@@ -337,6 +337,6 @@ WRONG = [
     Wrong("paged_prefill_kernel", "forgot the scale", prefill_variant(scaled=False), "not scaled"),
     Wrong("paged_prefill_kernel", "computes in the caches' dtype", prefill_variant(f32=False), "wrong in bf16"),
     Wrong("paged_prefill_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
-    Wrong("paged_prefill_kernel", "returns labkit's kernel", labkit_kernel(1), "`_kernels`",
-          calls="labkit.attention.triton_kernels._kernels"),
+    Wrong("paged_prefill_kernel", "returns labkit's kernel", labkit_kernel(1), "`jit_kernels`",
+          calls="labkit.attention.triton_kernels.jit_kernels"),
 ]

@@ -146,7 +146,7 @@ def allocate_all_or_nothing(token_ids, block_size, hash_to_block, blocks, free_u
 def labkit_allocate(token_ids, block_size, hash_to_block, blocks, free_uncached, free_cached):
     manager = BlockManager(len(blocks), block_size)
     manager.blocks, manager.hash_to_block = blocks, hash_to_block
-    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    manager.free_uncached, manager.free_cached = free_uncached, free_cached
     seq = BlockSequence("s", list(token_ids))
     manager.allocate(seq)
     return seq.block_table, seq.num_cached_tokens
@@ -185,7 +185,7 @@ def release_by_index(block_table, hash_to_block, blocks, free_uncached, free_cac
 def labkit_release(block_table, hash_to_block, blocks, free_uncached, free_cached):
     manager = BlockManager(len(blocks), 2)
     manager.blocks, manager.hash_to_block = blocks, hash_to_block
-    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    manager.free_uncached, manager.free_cached = free_uncached, free_cached
     seq = BlockSequence("s", [], list(block_table))
     manager.deallocate(seq)
 
@@ -238,7 +238,7 @@ def labkit_append(block_table, num_tokens, num_computed, block_size, hash_to_blo
                   free_cached):
     manager = BlockManager(len(blocks), block_size)
     manager.blocks, manager.hash_to_block = blocks, hash_to_block
-    manager._free_uncached, manager._free_cached = free_uncached, free_cached
+    manager.free_uncached, manager.free_cached = free_uncached, free_cached
     seq = BlockSequence("s", list(range(num_tokens)), block_table, num_computed)
     return manager.append(seq)
 
@@ -305,9 +305,9 @@ WRONG = [
     Wrong("take_free_block", "clears the other cached blocks", greedy_take, "other cached blocks"),
     Wrong("take_free_block", "hands out a never-cached block with ref_count 0",
           lambda *a: take(*a, ref_on_evict_only=True), "handed out with ref_count 0"),
-    Wrong("take_free_block", "calls BlockManager._take_free_block", lambda u, c, t, b: _labkit_take(u, c, t, b),
-          "`_take_free_block`",
-          calls="labkit.cache.block_manager.BlockManager._take_free_block"),
+    Wrong("take_free_block", "calls BlockManager.take_free_block", lambda u, c, t, b: _labkit_take(u, c, t, b),
+          "`take_free_block`",
+          calls="labkit.cache.block_manager.BlockManager.take_free_block"),
     Wrong("allocate_blocks", "takes fresh blocks before reviving the hits", lambda *a: allocate(*a, revive_first=False),
           "revive the hits"),
     Wrong("allocate_blocks", "leaves a revived hit in free_cached", lambda *a: allocate(*a, unlink=False),
@@ -362,13 +362,13 @@ WRONG = [
           "not the table's last block"),
     Wrong("append_blocks", "counts blocks as n // block_size + 1", lambda *a: append(*a, floor_plus_one=True),
           "adds an empty block whenever n is a multiple"),
-    Wrong("append_blocks", "calls BlockManager.append", labkit_append, "`_missing_blocks`",
-          calls="labkit.cache.block_manager.BlockManager._missing_blocks"),
+    Wrong("append_blocks", "calls BlockManager.append", labkit_append, "`missing_blocks`",
+          calls="labkit.cache.block_manager.BlockManager.missing_blocks"),
 ]
 
 
 def _labkit_take(free_uncached, free_cached, hash_to_block, blocks):
     manager = BlockManager(len(blocks), 2)
     manager.blocks, manager.hash_to_block = blocks, hash_to_block
-    manager._free_uncached, manager._free_cached = free_uncached, free_cached
-    return manager._take_free_block()
+    manager.free_uncached, manager.free_cached = free_uncached, free_cached
+    return manager.take_free_block()

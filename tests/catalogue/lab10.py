@@ -95,7 +95,7 @@ def victim_by_scan(grower, running, ref_counts, write_block):
 
 def labkit_victim(grower, running, ref_counts, write_block):
     from labkit.engine.scheduler import Scheduler
-    return Scheduler._victim(None, running)
+    return Scheduler.choose_victim(None, running)
 
 
 def plan(running, token_budget, threshold, reserve="decodes", cap=True, zero_cap_is_zero=False, keep_empty=False,
@@ -146,7 +146,7 @@ def plan_with_counter(running, token_budget, long_prefill_token_threshold):
 
 def labkit_plan(running, token_budget, threshold):
     from labkit.engine.scheduler import Scheduler
-    return [(s.id, Scheduler._chunk(None, s, token_budget)) for s in running]
+    return [(s.id, Scheduler.chunk_size(None, s, token_budget)) for s in running]
 
 
 RIGHT = [
@@ -220,8 +220,8 @@ WRONG = [
           "only if it is the only other one"),
     Wrong("choose_victim", "returns None when nobody helps", lambda *a: victim(*a, fallback=None),
           "preempts itself"),
-    Wrong("choose_victim", "calls Scheduler._victim", labkit_victim, "`_victim`",
-          calls="labkit.engine.scheduler.Scheduler._victim"),
+    Wrong("choose_victim", "calls Scheduler.choose_victim", labkit_victim, "`choose_victim`",
+          calls="labkit.engine.scheduler.Scheduler.choose_victim"),
     Wrong("plan_running", "a prefill starves the decodes behind it", lambda *a: plan(*a, reserve="none"),
           "leave one token to every decode"),
     Wrong("plan_running", "reserves a token for prefills behind too", lambda *a: plan(*a, reserve="all"),
@@ -236,6 +236,6 @@ WRONG = [
           "the decodes behind it still run"),
     Wrong("plan_running", "a chunk longer than the prompt's rest", lambda *a: plan(*a, clip=False),
           "cannot be longer than the tokens it has left"),
-    Wrong("plan_running", "calls Scheduler._chunk", labkit_plan, "`_chunk`",
-          calls="labkit.engine.scheduler.Scheduler._chunk"),
+    Wrong("plan_running", "calls Scheduler.chunk_size", labkit_plan, "`chunk_size`",
+          calls="labkit.engine.scheduler.Scheduler.chunk_size"),
 ]

@@ -275,7 +275,7 @@ def take_keeping_hash(free_uncached, free_cached, hash_to_block, blocks):
 
 
 def labkit_prepare(*args):
-    from labkit.engine.parts import labkit_prepare_step
+    from labkit_course.engine_parts import labkit_prepare_step
 
     return labkit_prepare_step(*args)
 
@@ -394,5 +394,5 @@ WRONG = [
           calls="labkit.engine.scheduler.Scheduler.abort"),
     *[Wrong("CapstoneParts", name, parts(**replaced), feedback) for name, replaced, feedback in WRONG_CAPSTONE],
     Wrong("CapstoneParts", "plugs in labkit's own step", parts(prepare_step=labkit_prepare),
-          "`labkit_prepare_step` is labkit's answer", calls="labkit.engine.parts.labkit_prepare_step"),
+          "`labkit_prepare_step` is labkit's answer", calls="labkit_course.engine_parts.labkit_prepare_step"),
 ]

@@ -31,7 +31,8 @@ MAX_VIEW_BYTES = 64 * 2**20  # a tensor may view more bytes than its storage hol
 MAX_SAME_HASH = 16  # elements of one set or keys of one dict that share a hash (collisions make sets quadratic)
 # Dataclasses that may cross: the course's own records (the engine parts' Request, for Lab 11's capstone;
 # the records graders pass, which live apart from the graders so that a student's kernel can import them).
-TRUSTED_DATACLASS_MODULES = ("labkit.cache.block_manager", "labkit.engine.parts", "labkit_course.grading.records")
+TRUSTED_DATACLASS_MODULES = ("labkit.cache.block_manager", "labkit_course.engine_parts",
+                             "labkit_course.grading.records")
 
 
 class CodecError(ValueError):

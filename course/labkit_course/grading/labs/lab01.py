@@ -142,8 +142,8 @@ def _merges_as_list(merges) -> list[tuple[int, int]]:
 _TRAINING = ("labkit.tokenizer.train", "labkit.tokenizer.tokenizer.train", "labkit.tokenizer.train_merges",
              "labkit.tokenizer.bpe.train_merges")
 # Not Tokenizer.encode itself: the grading runtime also flags any `.encode` attribute, and str.encode is
-# how an answer starts. Tokenizer.encode goes through _encode_piece, which trips.
-_ENCODING = ("labkit.tokenizer.Tokenizer._encode_piece", "labkit.tokenizer.apply_merges",
+# how an answer starts. Tokenizer.encode goes through encode_piece, which trips.
+_ENCODING = ("labkit.tokenizer.Tokenizer.encode_piece", "labkit.tokenizer.apply_merges",
              "labkit.tokenizer.bpe.apply_merges")
 
 

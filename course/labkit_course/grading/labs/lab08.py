@@ -22,7 +22,7 @@ from labkit_course.grading.codec import Handle
 # output to its dtype costs (the same bounds labkit's kernel meets, section 6 of the lab)
 TOLERANCE = {torch.float32: (1e-5, 2e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 8e-3)}
 NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-OWN_KERNELS = ("labkit.attention.triton_kernels._kernels",)  # labkit's kernels: its answer to these exercises
+OWN_KERNELS = ("labkit.attention.triton_kernels.jit_kernels",)  # labkit's kernels: its answer to these exercises
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -16,9 +16,10 @@ def _reference_chain(token_ids, block_size):
 
 
 _MANAGER = "labkit.cache.block_manager.BlockManager"
+_LOOKUP, _POP = "labkit.cache.block_manager.find_prefix_hits", "labkit.cache.block_manager.pop_free_block"
 
 
-@exercise("09", "chain_hashes", forbidden=(f"{_MANAGER}.prefix_hits", f"{_MANAGER}.cache_computed_blocks",
+@exercise("09", "chain_hashes", forbidden=(f"{_MANAGER}.prefix_hits", _LOOKUP, f"{_MANAGER}.cache_computed_blocks",
                                            "labkit_course.grading.labs.lab09._reference_chain"))
 def chain_hashes(ns):
     fn = require(ns, "chain_hashes")
@@ -72,7 +73,7 @@ def _cache(entries, block_size):
     return table, blocks
 
 
-@exercise("09", "cached_prefix_blocks", forbidden=(f"{_MANAGER}.prefix_hits",))
+@exercise("09", "cached_prefix_blocks", forbidden=(f"{_MANAGER}.prefix_hits", _LOOKUP))
 def cached_prefix_blocks(ns):
     fn = require(ns, "cached_prefix_blocks")
     bs = 2
@@ -125,7 +126,7 @@ def _pool():
     return blocks, table
 
 
-@exercise("09", "take_free_block", forbidden=(f"{_MANAGER}._take_free_block",))
+@exercise("09", "take_free_block", forbidden=(f"{_MANAGER}.take_free_block", _POP))
 def take_free_block(ns):
     fn = require(ns, "take_free_block")
     blocks, table = _pool()
@@ -193,16 +194,17 @@ class _Pool:
 
     def args(self):
         m = self.manager
-        return m.hash_to_block, m.blocks, m._free_uncached, m._free_cached
+        return m.hash_to_block, m.blocks, m.free_uncached, m.free_cached
 
     def snapshot(self):
         m = self.manager
         return ([(b.ref_count, b.hash, b.token_ids) for b in m.blocks], dict(m.hash_to_block),
-                list(m._free_uncached), list(m._free_cached))
+                list(m.free_uncached), list(m.free_cached))
 
 
 @exercise("09", "allocate_blocks", forbidden=(f"{_MANAGER}.allocate", f"{_MANAGER}.can_allocate",
-                                              f"{_MANAGER}.prefix_hits", f"{_MANAGER}._take_free_block"))
+                                              f"{_MANAGER}.prefix_hits", f"{_MANAGER}.take_free_block",
+                                              _LOOKUP, _POP))
 def allocate_blocks(ns):
     fn = require(ns, "allocate_blocks")
     bs = 2
@@ -264,7 +266,7 @@ def allocate_blocks(ns):
         raise ExerciseFailed("the block the prompt just hit was evicted for a fresh block: a revived hit was "
                              "still in free_cached, where LRU eviction found it; revive the hits (delete them from "
                              "free_cached) before taking fresh blocks")
-    if any(b in pool.manager._free_cached for b in table):
+    if any(b in pool.manager.free_cached for b in table):
         raise ExerciseFailed("a revived hit is still in free_cached: a block with an owner is not free (delete "
                              "it from the free list)")
     if (table, cached) != ([0, 2], 2):
@@ -313,7 +315,7 @@ def _release_case():
     return [0, 1, 2, 3, 4], table, blocks, deque(), OrderedDict([(9, None)])  # 9: an earlier freed block
 
 
-@exercise("09", "release_blocks", forbidden=(f"{_MANAGER}.deallocate", f"{_MANAGER}._release_table"))
+@exercise("09", "release_blocks", forbidden=(f"{_MANAGER}.deallocate", f"{_MANAGER}.release_table"))
 def release_blocks(ns):
     fn = require(ns, "release_blocks")
     table, entries, blocks, free_uncached, free_cached = _release_case()
@@ -390,7 +392,7 @@ def _append_case(fn, bm, seq, new_tokens):
     table = list(seq.block_table)
     try:
         copies = fn(table, len(seq.token_ids), seq.num_cached_tokens, bm.block_size, bm.hash_to_block, bm.blocks,
-                    bm._free_uncached, bm._free_cached)
+                    bm.free_uncached, bm.free_cached)
     except (NotImplementedError, ExerciseFailed):
         raise
     except Exception as error:  # noqa: BLE001 - the student's code raised
@@ -398,8 +400,8 @@ def _append_case(fn, bm, seq, new_tokens):
     return copies, table
 
 
-@exercise("09", "append_blocks", forbidden=(f"{_MANAGER}._shared_write_block", f"{_MANAGER}.shared_write_block",
-                                            f"{_MANAGER}._missing_blocks"))  # not `append`: lists have one
+@exercise("09", "append_blocks", forbidden=(f"{_MANAGER}.shared_write_index", f"{_MANAGER}.shared_write_block",
+                                            f"{_MANAGER}.missing_blocks"))  # not `append`: lists have one
 def append_blocks(ns):
     fn = require(ns, "append_blocks")
     # 1. four samples of a 12-token prompt (blocks of 8): each one's 13th token lands in the shared partial block
@@ -432,7 +434,7 @@ def append_blocks(ns):
         raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
     # 2. the last holder of a block that others copied away from writes into it: no copy needed
     bm, family = _forked(8, 8, 12, 1)
-    family[1].block_table[1] = bm._take_free_block()  # sample 1 already took its copy
+    family[1].block_table[1] = bm.take_free_block()  # sample 1 already took its copy
     bm.blocks[1].ref_count -= 1
     copies, table = _append_case(fn, bm, family[0], [5])
     if copies != []:
@@ -456,9 +458,9 @@ def append_blocks(ns):
         raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
     # 4. one free block: enough for the copy, not also for the new block the three new tokens need
     bm, family = _forked(3, 4, 6, 1)
-    before = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm._free_uncached), list(bm._free_cached))
+    before = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.free_uncached), list(bm.free_cached))
     copies, table = _append_case(fn, bm, family[1], [60, 61, 62])  # 9 tokens: a copy and one more block
-    after = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm._free_uncached), list(bm._free_cached))
+    after = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.free_uncached), list(bm.free_cached))
     if not isinstance(copies, str):
         raise ExerciseFailed("the sequence needs a copy and a new block, 2 free blocks, and 1 is free: raise "
                              "KVCacheExhausted (count the copy too)")

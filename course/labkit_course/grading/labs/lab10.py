@@ -10,7 +10,7 @@ from labkit_course.grading.records import Active, Request, Running
 
 
 @exercise("10", "can_append", forbidden=(
-    "labkit.cache.block_manager.BlockManager.can_append", "labkit.cache.block_manager.BlockManager._missing_blocks",
+    "labkit.cache.block_manager.BlockManager.can_append", "labkit.cache.block_manager.BlockManager.missing_blocks",
     "labkit_course.grading.labs.lab10.reference_can_append",
 ))
 def can_append(ns):
@@ -183,7 +183,7 @@ def _explain(cases, answers, reference, mistakes):
 def reference_choose_victim(grower, running, ref_counts, write_block, *, order=None, from_top=False,
                             only_below=True, must_help=True, sibling_rule=True, sibling_needs_two=True,
                             fallback="grower"):
-    """labkit's `Scheduler._victim` on plain records; the keyword arguments re-create typical mistakes."""
+    """labkit's `Scheduler.choose_victim` on plain records; the keyword arguments re-create typical mistakes."""
     ranked = sorted(running, key=order or (lambda r: (-r.priority, r.arrival)))
     ids = [r.id for r in ranked]
     candidates = ranked[ids.index(grower) + 1:] if only_below else [r for r in ranked if r.id != grower]
@@ -245,7 +245,7 @@ def _random_running(rng):
     return grower.id, running, ref_counts, write_block
 
 
-@exercise("10", "choose_victim", forbidden=("labkit.engine.scheduler.Scheduler._victim",
+@exercise("10", "choose_victim", forbidden=("labkit.engine.scheduler.Scheduler.choose_victim",
                                             "labkit_course.grading.labs.lab10.reference_choose_victim"))
 def choose_victim(ns):
     fn = require(ns, "choose_victim")
@@ -328,7 +328,7 @@ def _random_active(rng):
 
 
 @exercise("10", "plan_running", forbidden=("labkit.engine.scheduler.Scheduler.schedule",
-                                           "labkit.engine.scheduler.Scheduler._chunk",
+                                           "labkit.engine.scheduler.Scheduler.chunk_size",
                                            "labkit_course.grading.labs.lab10.reference_plan_running"))
 def plan_running(ns):
     fn = require(ns, "plan_running")

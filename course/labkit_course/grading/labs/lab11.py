@@ -3,6 +3,7 @@ scheduler states), stop strings streamed with hold-back, aborting a request with
 the capstone: labkit's engine on SmolLM2 run with the student's own parts."""
 
 import functools
+import itertools
 import random
 from collections import OrderedDict, deque
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from labkit_course.grading.records import Sample
 
 STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "block_tables")
 _PREPARE = ("labkit.engine.model_runner.ModelRunner.prepare", "labkit.engine.model_runner.ModelRunner.step_inputs",
-            "labkit.engine.parts.labkit_prepare_step")
+            "labkit.engine.model_runner.flatten_step", "labkit_course.engine_parts.labkit_prepare_step")
 
 
 # --- exercise 1: one step's tensors -------------------------------------------------------------
@@ -267,6 +268,7 @@ def abort_scene(preempt: bool = False):
     a, e = Sequence(system + [1, 2, 3], params), Sequence([800, 801, 802], SamplingParams(max_tokens=1))
     b, f = Sequence(system + [7] * 6, params), Sequence(list(range(600, 608)) + [1, 2], params)
     c, d = Sequence(list(range(600, 660)), params), Sequence([9] * 20, params)
+    fresh_ids = itertools.count(max(s.seq_id for s in (a, b, c, d, e, f)) + 1)  # ids no other sequence has
     token = 1000
     for step, arrivals in enumerate([[a, e], [b, f, c], []]):
         for seq in arrivals:
@@ -274,7 +276,7 @@ def abort_scene(preempt: bool = False):
         out = scheduler.schedule()
         if step == 0:  # A's first token is drawn: it becomes three samples sharing its blocks
             for index in (1, 2):
-                child = a.fork(next(Sequence._ids), params, index)  # an id no other sequence has
+                child = a.fork(next(fresh_ids), params, index)
                 scheduler.fork(a, child)
                 a.group.append(child)
                 out.seqs.append(child)
@@ -292,7 +294,7 @@ def abort_scene(preempt: bool = False):
     if preempt:
         sample = a.group[1]
         scheduler.running.remove(sample)
-        scheduler._preempt(sample, SchedulerOutput())
+        scheduler.preempt(sample, SchedulerOutput())
     return scheduler, {name: seq.request_id for name, seq in zip("ABCDEF", (a, b, c, d, e, f), strict=True)}
 
 
@@ -302,7 +304,7 @@ def _view(scheduler):
     samples = [[Sample(s.request_id, s.index, list(s.block_table)) for s in queue]
                for queue in (scheduler.waiting, scheduler.running)]
     return (deque(samples[0]), samples[1], [Block(b.block_id, b.ref_count, b.hash, b.token_ids) for b in bm.blocks],
-            dict(bm.hash_to_block), deque(bm._free_uncached), OrderedDict(bm._free_cached))
+            dict(bm.hash_to_block), deque(bm.free_uncached), OrderedDict(bm.free_cached))
 
 
 def reference_abort(scheduler, request_id):
@@ -331,7 +333,7 @@ ABORT_CASES = ["A", "B", "C", "D", "E", "F", "P", "unknown", "AA", "BAC", "DC", 
 
 @exercise("11", "abort_request", forbidden=("labkit.engine.scheduler.Scheduler.abort", "labkit.engine.llm.LLM.abort",
                                             "labkit.cache.block_manager.BlockManager.deallocate",
-                                            "labkit.cache.block_manager.BlockManager._release_table",
+                                            "labkit.cache.block_manager.BlockManager.release_table",
                                             "labkit_course.grading.labs.lab11.reference_abort"))
 def abort_request(ns):
     fn = require(ns, "abort_request")
@@ -454,7 +456,7 @@ def _failure(message, where) -> ExerciseFailed:
 
 
 # --- capstone: labkit's engine with the student's parts -----------------------------------------
-# labkit.engine.parts' CAPSTONE_ENGINE and CAPSTONE_BATCHES: one small engine, three batches, in which
+# labkit_course.engine_parts' CAPSTONE_ENGINE and CAPSTONE_BATCHES: one small engine, three batches, in which
 # every part meets the cases its lesson is about; the shadows below compare each of its answers with
 # labkit's on the trusted side.
 
@@ -472,7 +474,7 @@ def _run_engine(parts):
     import warnings
 
     from labkit.engine import LLM, FinishReason
-    from labkit.engine.parts import CAPSTONE_BATCHES, CAPSTONE_ENGINE, PartError, capstone_requests
+    from labkit_course.engine_parts import CAPSTONE_BATCHES, CAPSTONE_ENGINE, PartError, capstone_requests
 
     model, tokenizer = smollm2_cpu()
     llm = LLM(model, tokenizer=tokenizer, components=None if parts is None else parts.components(),
@@ -518,9 +520,13 @@ PART_NAMES = ("top_k_filter", "top_p_filter", "cached_prefix_blocks", "take_free
               "schedule_step", "prepare_step")
 
 
-@exercise("11", "CapstoneParts", forbidden=tuple(f"labkit.engine.parts.labkit_{name}" for name in PART_NAMES))
+# labkit's answers, and the engine functions they are made of
+@exercise("11", "CapstoneParts", forbidden=(*(f"labkit_course.engine_parts.labkit_{name}" for name in PART_NAMES),
+                                            "labkit.cache.block_manager.find_prefix_hits",
+                                            "labkit.cache.block_manager.pop_free_block",
+                                            "labkit.engine.model_runner.flatten_step"))
 def capstone(ns):
-    from labkit.engine.parts import EngineParts
+    from labkit_course.engine_parts import EngineParts
     from labkit_course.grading.core import GRADING
     from labkit_course.grading.forbidden import guarded
 
@@ -602,7 +608,7 @@ class _Shadow:
     calls = 0  # across every part of the run: the order the engine asked them in
 
     def __init__(self, name: str, part):
-        from labkit.engine.parts import EngineParts
+        from labkit_course.engine_parts import EngineParts
 
         self.name, self.part, self.labkit = name, part, getattr(EngineParts(), name)
         self.mismatch, self.mismatch_at = None, None
@@ -732,7 +738,7 @@ def _difference(got, expected) -> str:
             return f"step {step + 1} runs (request, tokens) {mine}; labkit's runs {theirs}"
     for i, (mine, theirs) in enumerate(zip(tokens, want_tokens, strict=True)):
         if mine != theirs:
-            from labkit.engine.parts import CAPSTONE_BATCHES
+            from labkit_course.engine_parts import CAPSTONE_BATCHES
 
             prompt = [entry[0] for batch in CAPSTONE_BATCHES for entry in batch][i]
             return f"prompt {i} ({prompt!r}) generates {mine}, labkit's engine {theirs}"
