@@ -1,7 +1,7 @@
 """Lab 09: prefix caching's hash chain, the prefix lookup, LRU eviction, allocating and releasing a table."""
 
 from catalogue import Right, Wrong
-from labkit.cache.block_manager import BlockManager, KVCacheExhausted, hash_block
+from labkit.cache.block_manager import BlockManager, KVCacheExhausted, find_prefix_hits, hash_block, pop_free_block
 from labkit.cache.sequence_blocks import BlockSequence
 from labkit_course.grading.labs.lab09 import _reference_chain
 
@@ -292,6 +292,9 @@ WRONG = [
     Wrong("cached_prefix_blocks", "calls BlockManager.prefix_hits", labkit_prefix_hits,
           "`prefix_hits`",
           calls="labkit.cache.block_manager.BlockManager.prefix_hits"),
+    Wrong("cached_prefix_blocks", "calls labkit's find_prefix_hits", lambda t, bs, table, blocks: [
+        b.block_id for b in find_prefix_hits(t, bs, table, blocks)], "`find_prefix_hits`",
+          calls="labkit.cache.block_manager.find_prefix_hits"),
     Wrong("take_free_block", "evicts while never-cached blocks are free", lambda *a: take(*a, prefer_uncached=False),
           "never-cached block was free"),
     Wrong("take_free_block", "evicts the most recently freed", lambda *a: take(*a, lru=False), "most recently freed"),
@@ -308,6 +311,8 @@ WRONG = [
     Wrong("take_free_block", "calls BlockManager.take_free_block", lambda u, c, t, b: _labkit_take(u, c, t, b),
           "`take_free_block`",
           calls="labkit.cache.block_manager.BlockManager.take_free_block"),
+    Wrong("take_free_block", "calls labkit's pop_free_block", lambda u, c, t, b: pop_free_block(u, c, t, b),
+          "`pop_free_block`", calls="labkit.cache.block_manager.pop_free_block"),
     Wrong("allocate_blocks", "takes fresh blocks before reviving the hits", lambda *a: allocate(*a, revive_first=False),
           "revive the hits"),
     Wrong("allocate_blocks", "leaves a revived hit in free_cached", lambda *a: allocate(*a, unlink=False),

@@ -7,7 +7,8 @@ import torch
 
 from catalogue import Right, Wrong
 from catalogue.lab10 import schedule
-from labkit.engine.model_runner import ModelRunner
+from labkit.cache.sequence_blocks import BlockSequence
+from labkit.engine.model_runner import ModelRunner, flatten_step
 from labkit.sampling.stop import find_stop_string
 
 
@@ -52,6 +53,12 @@ def step_vectorized(token_ids, num_computed, num_new, block_tables, block_size):
 
 def step_by_labkit(token_ids, num_computed, num_new, block_tables, block_size):
     return ModelRunner.prepare(None, token_ids, num_new)
+
+
+def step_by_flatten_step(token_ids, num_computed, num_new, block_tables, block_size):
+    seqs = [BlockSequence(i, t, b, c)
+            for i, (t, c, b) in enumerate(zip(token_ids, num_computed, block_tables, strict=True))]
+    return flatten_step(seqs, num_new, block_size)._asdict()
 
 
 # --- stop_stream ----------------------------------------------------------------------------------
@@ -347,6 +354,8 @@ WRONG = [
           "must be an integer tensor"),
     Wrong("prepare_step", "calls the ModelRunner", step_by_labkit, "`prepare` is labkit's answer",
           calls="labkit.engine.model_runner.ModelRunner.prepare"),
+    Wrong("prepare_step", "calls labkit's flatten_step", step_by_flatten_step, "`flatten_step` is labkit's answer",
+          calls="labkit.engine.model_runner.flatten_step"),
     Wrong("stop_stream", "no hold-back", lambda p, s, i: stream(p, s, i, hold=False), "streamed text that the stop"),
     Wrong("stop_stream", "searches the new piece only", lambda p, s, i: stream(p, s, i, search_new_only=True),
           "it can span pieces"),
