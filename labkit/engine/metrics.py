@@ -40,10 +40,6 @@ class RequestMetrics:
             return None
         return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
 
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
-
 
 FINISHED_WINDOW = 1000  # the most recent finished requests whose metrics are kept one by one
 
