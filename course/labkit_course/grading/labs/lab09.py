@@ -176,6 +176,14 @@ def _raised(call) -> str | None:
     return None
 
 
+def _expect_consistent(manager, sequences):
+    """The pool after the student's change passes labkit's own check (free lists, each ref_count against the tables)."""
+    try:
+        manager.check_invariants(sequences)
+    except RuntimeError as broken:
+        raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+
+
 class _Pool:
     """A manager's four structures, built by the real BlockManager so that they are consistent."""
 
@@ -230,10 +238,7 @@ def allocate_blocks(ns):
                              f"{blocks[1].ref_count}")
     if len(table) != 4:
         raise ExerciseFailed(f"7 tokens in blocks of 2 need 4 blocks (2 hits + 2 fresh), the table has {len(table)}")
-    try:
-        pool.manager.check_invariants(pool.live + [BlockSequence("new", [], list(table))])
-    except RuntimeError as broken:
-        raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+    _expect_consistent(pool.manager, pool.live + [BlockSequence("new", [], list(table))])
 
     # 1b. a prompt that fills its blocks exactly: no empty block after them
     pool = _Pool(8, bs, [])
@@ -272,10 +277,7 @@ def allocate_blocks(ns):
     if (table, cached) != ([0, 2], 2):
         raise ExerciseFailed(f"[1, 2, 6] should revive the freed cached block 0 and evict block 2 for its second "
                              f"block: expected ([0, 2], 2), got ({table}, {cached})")
-    try:
-        pool.manager.check_invariants(pool.live + [BlockSequence("new", [], list(table))])
-    except RuntimeError as broken:
-        raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+    _expect_consistent(pool.manager, pool.live + [BlockSequence("new", [], list(table))])
 
     # 3. fits only because the hits are held by a running sequence (they cost no free block)
     pool = _Pool(4, bs, [("a", [1, 2, 3, 4, 5], True)])
@@ -428,10 +430,7 @@ def append_blocks(ns):
         raise ExerciseFailed("the shared block kept its reference count: the copying sample no longer holds it, "
                              "so it loses one reference (ref_count -= 1)")
     family[1].block_table = table
-    try:
-        bm.check_invariants(family)
-    except RuntimeError as broken:
-        raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+    _expect_consistent(bm, family)
     # 2. the last holder of a block that others copied away from writes into it: no copy needed
     bm, family = _forked(8, 8, 12, 1)
     family[1].block_table[1] = bm.take_free_block()  # sample 1 already took its copy
@@ -452,10 +451,7 @@ def append_blocks(ns):
         raise ExerciseFailed(f"the write position (num_computed = 6) is in block index 1, which is shared: copy it "
                              f"and add 2 new blocks; got copies {copies}, table {table}")
     family[1].block_table = table
-    try:
-        bm.check_invariants(family)
-    except RuntimeError as broken:
-        raise ExerciseFailed(f"the pool is inconsistent afterwards ({broken})") from None
+    _expect_consistent(bm, family)
     # 4. one free block: enough for the copy, not also for the new block the three new tokens need
     bm, family = _forked(3, 4, 6, 1)
     before = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.free_uncached), list(bm.free_cached))
