@@ -149,6 +149,20 @@ def tensors_close(got, want, atol: float = 1e-5) -> bool:
     return torch.allclose(got.to(torch.float64), want.to(torch.float64), atol=atol)
 
 
+def close_at_precision(got, want) -> bool:
+    """`tensors_close`, holding a float64 answer to float64 precision (the worked example computes in float64)."""
+    import torch
+
+    return tensors_close(got, want, atol=1e-9 if getattr(got, "dtype", None) == torch.float64 else 1e-5)
+
+
+def float64_randn(*shape, seed: int):
+    """Fresh float64 inputs, the same on every run of the grader."""
+    import torch
+
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 def exercises(lab: str | None = None) -> list[Exercise]:
     """All registered exercises (of one lab), in the order their graders were defined."""
     _load_graders()

@@ -6,24 +6,9 @@ import math
 import torch
 
 from labkit_course import worked_example as ref
-from labkit_course.grading import (
-    ExerciseFailed,
-    exercise,
-    expect_tensor,
-    expect_value_error,
-    raised_type,
-    require,
-    tensors_close,
-)
-
-
-def _random(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _close(a, b):
-    """Same shape and values; a float64 answer is held to float64 precision."""
-    return tensors_close(a, b, atol=1e-9 if getattr(a, "dtype", None) == torch.float64 else 1e-5)
+from labkit_course.grading import ExerciseFailed, exercise, expect_tensor, expect_value_error, raised_type, require
+from labkit_course.grading.core import close_at_precision as _close
+from labkit_course.grading.core import float64_randn as _random
 
 
 def _expect_float64(got, what):
