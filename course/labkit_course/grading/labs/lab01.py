@@ -239,18 +239,9 @@ def bpe_encode(ns):
             continue
         if got == list(text.encode("utf-8")):
             raise ExerciseFailed("no merge was applied: the ids are just the UTF-8 bytes")
-        if got == _encode_without_pretokenizing(text, merges):
-            raise ExerciseFailed("merges were applied across piece boundaries: encode each piece of "
-                                 "pretokenize(text) on its own, as in training")
-        if got == _encode_latest_first(text, merges):
-            raise ExerciseFailed("the latest-learned merges were applied first: apply the earliest-learned "
-                                 "merge first (the lowest new id), as training did")
-        if got == _encode_by_frequency(text, merges_dict):
-            raise ExerciseFailed("merges were chosen by how often a pair occurs in this text: apply the "
-                                 "earliest-learned merge first (the lowest new id), as training did")
-        if got == _encode_leftmost_first(text, merges_dict):
-            raise ExerciseFailed("the leftmost mergeable pair of each piece was merged first: apply the "
-                                 "earliest-learned merge first (the lowest new id) wherever it is, as training did")
+        for mistaken_encode, why in _ENCODE_MISTAKES:
+            if got == mistaken_encode(text, merges_dict):
+                raise ExerciseFailed(why)
         at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
                   min(len(got), len(expected)))
         if at == len(got):
@@ -262,19 +253,19 @@ def bpe_encode(ns):
     return "same ids as labkit's tokenizer with your merges"
 
 
-def _encode_without_pretokenizing(text, merges):
+def _encode_without_pretokenizing(text, merges_dict):
     ids = list(text.encode("utf-8"))
-    for rank, pair in enumerate(merges):
-        ids = merge_pair(ids, pair, 256 + rank)
+    for pair, new_id in merges_dict.items():
+        ids = merge_pair(ids, pair, new_id)
     return ids
 
 
-def _encode_latest_first(text, merges):
+def _encode_latest_first(text, merges_dict):
     out = []
     for piece in pretokenize(text):
         ids = list(piece.encode("utf-8"))
-        for rank in reversed(range(len(merges))):
-            ids = merge_pair(ids, merges[rank], 256 + rank)
+        for pair, new_id in reversed(merges_dict.items()):
+            ids = merge_pair(ids, pair, new_id)
         out.extend(ids)
     return out
 
@@ -299,6 +290,18 @@ def _encode_leftmost_first(text, merges_dict):
             ids = ids[:at] + [merges_dict[ids[at], ids[at + 1]]] + ids[at + 2:]
         out.extend(ids)
     return out
+
+
+_ENCODE_MISTAKES = (  # wrong bpe_encode(text, merges_dict)s, each with what it gets wrong
+    (_encode_without_pretokenizing, "merges were applied across piece boundaries: encode each piece of "
+                                    "pretokenize(text) on its own, as in training"),
+    (_encode_latest_first, "the latest-learned merges were applied first: apply the earliest-learned merge first "
+                           "(the lowest new id), as training did"),
+    (_encode_by_frequency, "merges were chosen by how often a pair occurs in this text: apply the earliest-learned "
+                           "merge first (the lowest new id), as training did"),
+    (_encode_leftmost_first, "the leftmost mergeable pair of each piece was merged first: apply the "
+                             "earliest-learned merge first (the lowest new id) wherever it is, as training did"),
+)
 
 
 @exercise("01", "knowledge_check")
