@@ -45,6 +45,15 @@ def _reference(logits, **setting):
     return filter_logits(logits[None], **setting)[0] if logits.dim() == 1 else filter_logits(logits, **setting)
 
 
+def _filter_cases(fn, name, settings, seed, row):
+    """(logits, setting, the student's filter, labkit's) on a batch of logits, then on one of its rows: a filter
+    takes [batch, vocab] and [vocab] alike."""
+    batch = _logits(seed)
+    for logits in (batch, batch[row]):
+        for setting in settings:
+            yield logits, setting, _filter(fn, logits, setting), _reference(logits, **{name: setting})
+
+
 def _kept(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits)
 
@@ -136,27 +145,23 @@ def _tie_mistake(got: torch.Tensor, logits: torch.Tensor) -> str:
 @exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k"))
 def top_k_filter(ns):
     fn = require(ns, "top_k_filter")
-    batch = _logits(2)
-    for logits in (batch, batch[1]):  # a batch, then one row
-        for k in (1, 3, 12):
-            got = _filter(fn, logits, k)
-            expected = _reference(logits, top_k=k)
-            if (got == 0).any() and not (expected == 0).any():
-                raise ExerciseFailed("removed tokens were set to 0, which is still a likely logit: set them to -inf")
-            smallest = logits.masked_fill(~_kept(_reference(-logits, top_k=k)), float("-inf"))
-            if k < logits.shape[-1] and torch.equal(got, smallest):
-                raise ExerciseFailed(f"top_k={k} kept the k smallest logits: keep the k largest (topk's default)")
-            kept = _kept(got).sum(-1)
-            if (kept == k - 1).all() or (kept == k + 1).all():
-                raise ExerciseFailed(f"top_k={k} kept {int(kept.flatten()[0])} tokens per row: an off-by-one at "
-                                     "the k-th largest")
-            if logits.dim() == 2 and torch.equal(got, logits.masked_fill(logits < logits.topk(k).values[-1:, -1:],
-                                                                        float("-inf"))):
-                raise ExerciseFailed(f"top_k={k}: every row was cut at the last row's k-th largest logit: each row "
-                                     "has its own (topk(k, dim=-1).values[..., -1:])")
-            if not torch.equal(got, expected):
-                raise ExerciseFailed(f"top_k={k}: each row must keep its k largest logits unchanged and set "
-                                     "the rest to -inf")
+    for logits, k, got, expected in _filter_cases(fn, "top_k", (1, 3, 12), seed=2, row=1):
+        if (got == 0).any() and not (expected == 0).any():
+            raise ExerciseFailed("removed tokens were set to 0, which is still a likely logit: set them to -inf")
+        smallest = logits.masked_fill(~_kept(_reference(-logits, top_k=k)), float("-inf"))
+        if k < logits.shape[-1] and torch.equal(got, smallest):
+            raise ExerciseFailed(f"top_k={k} kept the k smallest logits: keep the k largest (topk's default)")
+        kept = _kept(got).sum(-1)
+        if (kept == k - 1).all() or (kept == k + 1).all():
+            raise ExerciseFailed(f"top_k={k} kept {int(kept.flatten()[0])} tokens per row: an off-by-one at "
+                                 "the k-th largest")
+        if logits.dim() == 2 and torch.equal(got, logits.masked_fill(logits < logits.topk(k).values[-1:, -1:],
+                                                                    float("-inf"))):
+            raise ExerciseFailed(f"top_k={k}: every row was cut at the last row's k-th largest logit: each row "
+                                 "has its own (topk(k, dim=-1).values[..., -1:])")
+        if not torch.equal(got, expected):
+            raise ExerciseFailed(f"top_k={k}: each row must keep its k largest logits unchanged and set "
+                                 "the rest to -inf")
     tied = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
     if not torch.equal(_filter(fn, tied, 2), filter_logits(tied, top_k=2)):
         raise ExerciseFailed("with a tie at the k-th largest logit, keep every tied token "
@@ -177,28 +182,24 @@ def _unscattered(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]
 @exercise("06", "top_p_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_p"))
 def top_p_filter(ns):
     fn = require(ns, "top_p_filter")
-    batch = _logits(3)
-    for logits in (batch, batch[2]):  # a batch, then one row
-        for top_p in (0.3, 0.7, 0.95):
-            got = _filter(fn, logits, top_p)
-            expected = _reference(logits, top_p=top_p)
-            if torch.equal(got, expected):
-                continue
-            if any(torch.allclose(got, wrong, atol=1e-6) for wrong in _unscattered(logits, top_p)):
-                raise ExerciseFailed(f"top_p={top_p}: the mask (or the result) was left in sorted order: sorting "
-                                     "permutes the tokens, so put the mask back in vocabulary order with "
-                                     "remove.scatter(-1, order, remove) before applying it to logits")
-            if not _kept(got).any(-1).all():
-                raise ExerciseFailed("a row lost every token: the most likely token must always survive")
-            probs = logits.softmax(-1)
-            kept_mass = torch.where(_kept(got), probs, 0).sum(-1)
-            if (kept_mass < top_p - 1e-6).any():
-                raise ExerciseFailed(f"top_p={top_p}: the kept tokens hold less than top_p of the probability; "
-                                     "keep the token that crosses the threshold too")
-            if not torch.equal(_kept(got), _kept(expected)):
-                raise ExerciseFailed(f"top_p={top_p}: keep the smallest set of most likely tokens whose "
-                                     "probability reaches top_p (sort descending, cumulative sum)")
-            raise ExerciseFailed("the kept logits must be returned unchanged (and the removed ones set to -inf)")
+    for logits, top_p, got, expected in _filter_cases(fn, "top_p", (0.3, 0.7, 0.95), seed=3, row=2):
+        if torch.equal(got, expected):
+            continue
+        if any(torch.allclose(got, wrong, atol=1e-6) for wrong in _unscattered(logits, top_p)):
+            raise ExerciseFailed(f"top_p={top_p}: the mask (or the result) was left in sorted order: sorting "
+                                 "permutes the tokens, so put the mask back in vocabulary order with "
+                                 "remove.scatter(-1, order, remove) before applying it to logits")
+        if not _kept(got).any(-1).all():
+            raise ExerciseFailed("a row lost every token: the most likely token must always survive")
+        probs = logits.softmax(-1)
+        kept_mass = torch.where(_kept(got), probs, 0).sum(-1)
+        if (kept_mass < top_p - 1e-6).any():
+            raise ExerciseFailed(f"top_p={top_p}: the kept tokens hold less than top_p of the probability; "
+                                 "keep the token that crosses the threshold too")
+        if not torch.equal(_kept(got), _kept(expected)):
+            raise ExerciseFailed(f"top_p={top_p}: keep the smallest set of most likely tokens whose "
+                                 "probability reaches top_p (sort descending, cumulative sum)")
+        raise ExerciseFailed("the kept logits must be returned unchanged (and the removed ones set to -inf)")
     boundary = torch.tensor([0.125, 0.5, 0.125, 0.25]).log()  # float32-exact: 0.5 + 0.25 is exactly 0.75
     kept = _kept(_filter(fn, boundary, 0.75)).nonzero().flatten().tolist()
     if kept != [1, 3]:
