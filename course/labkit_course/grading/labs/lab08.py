@@ -352,11 +352,15 @@ def _paged_mistake(results, per_seq, desc, out, want) -> str:
     return f"differs from the reference on {desc} (max abs diff {(out.float() - want).abs().nan_to_num(1.0).max():.2e})"
 
 
-GQA_MOD = ("query head h read KV head h % NUM_KV_HEADS: with GQA it is h // (NUM_HEADS // NUM_KV_HEADS)")
-HEAD_OFFSET = ("KV head kv was read from element kv of a token's row, not kv * HEAD_DIM (right only where there is "
-               "one KV head): a row holds NUM_KV_HEADS heads of HEAD_DIM values, so the K row of slot "
-               "block * BLOCK_SIZE + i for head kv starts at ((block * BLOCK_SIZE + i) * NUM_KV_HEADS + kv) * HEAD_DIM")
-UNSCALED = "scores were not scaled: multiply q . k by scale (1/sqrt(head_dim), the kernel's `scale` argument)"
+LAYOUT_MISTAKES = [  # reading the cache's layout and the kernel's arguments: the same in decode and prefill
+    (dict(head_offset="elements"), "KV head kv was read from element kv of a token's row, not kv * HEAD_DIM (right "
+                                   "only where there is one KV head): a row holds NUM_KV_HEADS heads of HEAD_DIM "
+                                   "values, so the K row of slot block * BLOCK_SIZE + i for head kv starts at "
+                                   "((block * BLOCK_SIZE + i) * NUM_KV_HEADS + kv) * HEAD_DIM"),
+    (dict(gqa="mod"), "query head h read KV head h % NUM_KV_HEADS: with GQA it is h // (NUM_HEADS // NUM_KV_HEADS)"),
+    (dict(scale=1.0), "scores were not scaled: multiply q . k by scale (1/sqrt(head_dim), the kernel's `scale` "
+                      "argument)"),
+]
 
 
 @exercise("08", "paged_decode_kernel", forbidden=OWN_KERNELS)
@@ -365,9 +369,7 @@ def paged_decode_kernel(ns):
         (dict(visible="padded"), "keys past the context length were attended to: mask positions >= context_len"),
         (dict(visible="one_more"), "one key past the context was attended to (pos <= context_len): the context "
                                    "holds positions 0 .. context_len - 1, so keep pos < context_len"),
-        (dict(head_offset="elements"), HEAD_OFFSET),
-        (dict(gqa="mod"), GQA_MOD),
-        (dict(scale=1.0), UNSCALED),
+        *LAYOUT_MISTAKES,
         (dict(in_order=True), "the block table was ignored (blocks assumed to be 0, 1, 2, ...): load block b "
                                   "of sequence s from block_tables[s, b]"),
     ])
@@ -382,9 +384,7 @@ def paged_prefill_kernel(ns):
         (dict(visible="all"), "no causal mask: row i saw keys after its own position (up to k_len - q_len + i)"),
         (dict(visible="new_only"), "the cached prefix was ignored: row i also sees the k_len - q_len keys "
                                    "already in the cache"),
-        (dict(gqa="mod"), GQA_MOD),
-        (dict(head_offset="elements"), HEAD_OFFSET),
-        (dict(scale=1.0), UNSCALED),
+        *LAYOUT_MISTAKES,
     ])
     return ("matches torch's scaled_dot_product_attention: whole prompts, cached prefixes and decodes in one launch, "
             "GQA groups of 1, 2, 3, blocks of 4, 8, 16, in fp32, fp16 and bf16")
