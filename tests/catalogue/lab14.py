@@ -68,15 +68,18 @@ def greedy_vectorized(logits, draft):
 
 
 def greedy_with(logits, draft, *, bonus=True, stop=True, correct=True, shift=0):
-    choices = logits.argmax(-1).tolist()
+    """greedy_loop with one step done as a student half-remembers it: no bonus token, drafts kept after a
+    mismatch, no correction at the mismatch, or draft i compared with row i + shift."""
     out = []
     for i, guess in enumerate(draft):
-        if guess != choices[min(i + shift, len(choices) - 1)]:
-            if not stop:
-                continue
-            return out + ([choices[i]] if correct else [])
-        out.append(guess)
-    return out + ([choices[len(draft)]] if bonus else [])
+        compared = int(torch.argmax(logits[min(i + shift, len(logits) - 1)]))
+        if guess == compared:
+            out.append(guess)
+        elif stop:
+            return out + [int(torch.argmax(logits[i]))] if correct else out
+    if bonus:
+        out.append(int(torch.argmax(logits[len(draft)])))
+    return out
 
 
 def greedy_tensor(logits, draft):
