@@ -35,19 +35,22 @@ def rms_in_place(x, w, eps):
 
 
 def rotary(x, positions, theta, *, interleaved=False, sign=1.0, exponent=2):
-    """Rotary embedding computed in float64, returned in float32; the keywords make the usual mistakes."""
+    """Hugging Face's form, x * cos + rotate_half(x) * sin, computed in float64 and returned in float32; the
+    keywords make the usual mistakes (neighbouring pairs, the other direction, theta^(-i/d) frequencies)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).double() * exponent / 2 / d)
-    angles = positions.double()[:, None] * inv_freq * sign
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    freqs = theta ** (-exponent * torch.arange(d // 2, dtype=torch.float64) / d)
+    angles = sign * positions.double()[:, None, None] * freqs  # [T, 1, d/2], one row for every head
     x = x.double()
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, -1)
-    a, b = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    out = torch.stack((a, b), -1).flatten(-2) if interleaved else torch.cat((a, b), -1)
-    return out.float()
+    if interleaved:  # (x0, x1), (x2, x3), ...: each angle serves two neighbours
+        cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+        turned = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+    else:  # x[i] with x[i + d/2]: the two halves
+        cos, sin = angles.cos().repeat(1, 1, 2), angles.sin().repeat(1, 1, 2)
+        turned = torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1)
+    return (x * cos + turned * sin).float()
 
 
-def rotary_half_split(x, positions, theta):
+def rotary_rotate_half(x, positions, theta):
     return rotary(x, positions, theta).to(x.dtype)
 
 
@@ -183,7 +186,7 @@ def labkit_causal(q, k_new, v_new, cache):
 RIGHT = [
     Right("rms_norm", "rsqrt in float32, cast back", rms_fp32),
     Right("rms_norm", "vector norm in float32, weight in the input dtype", rms_via_norm),
-    Right("apply_rotary", "half-split cos/sin", rotary_half_split),
+    Right("apply_rotary", "x * cos + rotate_half(x) * sin", rotary_rotate_half),
     Right("apply_rotary", "complex multiplication", rotary_complex),
     Right("attention_with_cache", "matmul softmax with repeat_interleave", make_attention()),
     Right("attention_with_cache", "loop over heads and queries", per_head_loop),
