@@ -12,17 +12,15 @@ from labkit_course.grading.labs.lab15 import reference_attention_traffic, refere
 # --------------------------------------------------------------------------------------- shard_linear
 
 
-def shard_by_narrow(weight, bias, rank, world_size, mode):
-    dim = 0 if mode == "column" else 1
-    if weight.shape[dim] % world_size:
+def shard_by_slices(weight, bias, rank, world_size, mode):
+    """The rank's contiguous range of features as plain slices, copied (a view would keep the whole weight alive)."""
+    features = weight.shape[0] if mode == "column" else weight.shape[1]
+    if features % world_size:
         raise ValueError("features do not split evenly")
-    part = weight.shape[dim] // world_size
-    shard = weight.narrow(dim, rank * part, part).clone()
-    if bias is None:
-        return shard, None
+    start, stop = rank * features // world_size, (rank + 1) * features // world_size
     if mode == "column":
-        return shard, bias[rank * part:(rank + 1) * part].clone()
-    return shard, bias.clone() if rank == 0 else None
+        return weight[start:stop].clone(), None if bias is None else bias[start:stop].clone()
+    return weight[:, start:stop].clone(), bias.clone() if bias is not None and rank == 0 else None
 
 
 def shard_by_chunk(weight, bias, rank, world_size, mode):
@@ -41,12 +39,12 @@ def shard_with(**changes):
     def answer(weight, bias, rank, world_size, mode):
         if changes.get("swap_dims"):
             mode = "row" if mode == "column" else "column"
-        w, b = shard_by_narrow(weight, bias, rank, world_size, mode)
+        w, b = shard_by_slices(weight, bias, rank, world_size, mode)
         if changes.get("strided"):
             w = weight[rank::world_size] if mode == "column" else weight[:, rank::world_size]
         if changes.get("swap_dims"):
             mode = "row" if mode == "column" else "column"
-            b = shard_by_narrow(weight.T.contiguous(), bias, rank, world_size, mode)[1] if bias is not None else None
+            b = shard_by_slices(weight.T.contiguous(), bias, rank, world_size, mode)[1] if bias is not None else None
         if changes.get("bias_everywhere") and mode == "row":
             b = bias
         if changes.get("row_bias_sliced") and mode == "row" and bias is not None:
@@ -59,7 +57,7 @@ def shard_with(**changes):
 def shard_asserting(weight, bias, rank, world_size, mode):
     dim = 0 if mode == "column" else 1
     assert weight.shape[dim] % world_size == 0, "uneven split"
-    return shard_by_narrow(weight, bias, rank, world_size, mode)
+    return shard_by_slices(weight, bias, rank, world_size, mode)
 
 
 def shard_ragged(weight, bias, rank, world_size, mode):
@@ -263,7 +261,7 @@ def traffic_with(**mistake):
 
 
 RIGHT = [
-    Right("shard_linear", "narrow and clone", shard_by_narrow),
+    Right("shard_linear", "slices of the rank's range, cloned", shard_by_slices),
     Right("shard_linear", "torch.chunk after a divisibility check", shard_by_chunk),
     Right("row_parallel_forward", "explicit slices", row_forward_slices),
     Right("row_parallel_forward", "chunk, then stack and sum", row_forward_chunks),
@@ -282,11 +280,11 @@ WRONG = [
     Wrong("shard_linear", "row-parallel bias sliced", shard_with(row_bias_sliced=True), "not a slice of it"),
     Wrong("shard_linear", "ragged shards for uneven splits", shard_ragged, "raise a ValueError"),
     Wrong("shard_linear", "an assert for the uneven split", shard_asserting, "raise a ValueError, not AssertionError"),
-    Wrong("shard_linear", "returns only the weight", lambda w, b, r, p, mode: shard_by_narrow(w, b, r, p, mode)[0],
+    Wrong("shard_linear", "returns only the weight", lambda w, b, r, p, mode: shard_by_slices(w, b, r, p, mode)[0],
           "return a pair"),
     Wrong("shard_linear", "calls labkit's shard_columns",
           lambda w, b, r, p, mode: (shard_columns(w, r, p) if mode == "column" else shard_rows(w, r, p),
-                                    shard_by_narrow(w, b, r, p, mode)[1]),
+                                    shard_by_slices(w, b, r, p, mode)[1]),
           "`shard_columns`", calls="labkit.parallel.layers.shard_columns"),
     Wrong("shard_linear", "imports the grader's reference", lambda *a: reference_shard_linear(*a),
           "`reference_shard_linear`", calls="labkit_course.grading.labs.lab15.reference_shard_linear"),
