@@ -34,19 +34,23 @@ def labkit_can_append(num_tokens, num_blocks_held, block_size, num_free_blocks):
 
 def schedule(running, waiting, budget, max_seqs, free, order=None, skip=False, chunk=True, decode_first=True,
              subtract=True, seats=True, exact_fit=True):
-    plan = [(r, 1) for r in running] if decode_first else []
-    left = budget - len(plan)
+    """The waiting requests admitted in priority order while tokens, seats and blocks last, after a token for
+    each running sequence; the keywords make the usual mistakes."""
+    admitted, left = [], budget - (len(running) if decode_first else 0)
     for req in sorted(waiting, key=order or (lambda r: (-r.priority, r.arrival))):
-        if left == 0 or (seats and len(plan) + (0 if decode_first else len(running)) >= max_seqs):
+        if not left or (seats and len(running) + len(admitted) >= max_seqs):  # the running hold seats too
             break
-        if (req.blocks > free if exact_fit else req.blocks >= free) or (not chunk and req.prompt_len > left):
+        fits = (req.blocks <= free if exact_fit else req.blocks < free) and (chunk or req.prompt_len <= left)
+        if not fits:
             if skip:
                 continue
             break
-        plan.append((req.id, min(req.prompt_len, left)))
-        left -= plan[-1][1]
-        free -= req.blocks if subtract else 0
-    return plan
+        tokens = min(req.prompt_len, left)
+        admitted.append((req.id, tokens))
+        left -= tokens
+        if subtract:
+            free -= req.blocks
+    return [(r, 1) for r in running] + admitted if decode_first else admitted
 
 
 def schedule_queue(running, waiting, token_budget, max_num_seqs, free_blocks):
@@ -100,26 +104,26 @@ def labkit_victim(grower, running, ref_counts, write_block):
 
 def plan(running, token_budget, threshold, reserve="decodes", cap=True, zero_cap_is_zero=False, keep_empty=False,
          stop_at_empty=False, clip=True):
-    out, budget = [], token_budget
+    """A decode takes 1 token; a prefill the smallest of its limits: what the budget leaves after a token for each
+    decode behind it, its uncomputed tokens, the threshold. The keywords make the usual mistakes."""
+    out, left = [], token_budget
     for i, seq in enumerate(running):
-        if budget == 0:
+        if not left:
             break
-        if not seq.is_prefill:
-            out.append((seq.id, 1))
-            budget -= 1
-            continue
-        behind = running[i + 1:]
-        held_back = {"decodes": sum(not s.is_prefill for s in behind), "all": len(behind), "none": 0}[reserve]
-        n = max(budget - held_back, 0)
-        n = min(n, seq.uncomputed) if clip else n
-        if cap and (threshold or zero_cap_is_zero):
-            n = min(n, threshold)
-        if n == 0 and not keep_empty:
-            if stop_at_empty:
-                break
-            continue
-        out.append((seq.id, n))
-        budget -= n
+        if seq.is_prefill:
+            behind = running[i + 1:]
+            reserved = {"decodes": [s for s in behind if not s.is_prefill], "all": behind, "none": []}[reserve]
+            limits = [max(left - len(reserved), 0)]
+            limits += [seq.uncomputed] if clip else []
+            limits += [threshold] if cap and (threshold or zero_cap_is_zero) else []
+            tokens = min(limits)
+        else:
+            tokens = 1
+        if tokens or keep_empty:
+            out.append((seq.id, tokens))
+            left -= tokens
+        elif stop_at_empty:
+            break
     return out
 
 
