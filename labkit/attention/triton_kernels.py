@@ -35,6 +35,8 @@ def interpreted() -> bool:
 
 @functools.cache
 def jit_kernels():
+    """The Triton kernels (store_kv, paged attention), defined at first use so that importing labkit
+    needs no triton and TRITON_INTERPRET is read when they are made, not at import."""
     import triton
     import triton.language as tl
 

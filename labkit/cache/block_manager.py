@@ -338,6 +338,8 @@ class BlockManager:
         seq.num_cached_tokens = 0
 
     def release_table(self, seq: SequenceBlocks) -> None:
+        """Drop `seq`'s reference to each block it holds; a block no one holds is freed, into
+        `free_cached` if its hash entry still reaches it, else cleared into `free_uncached`."""
         self.cache_computed_blocks(seq)
         for block_id in reversed(seq.block_table):  # the tail first, so LRU evicts tails before heads
             block = self.blocks[block_id]

@@ -294,6 +294,8 @@ class Scheduler:
         out.num_new_tokens.append(n)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take a running `seq` off the GPU: swap its K/V out (preemption_mode "swap"), or free its
+        blocks and queue it again to recompute; `out` records which."""
         seq.num_preemptions += 1
         if self.config.preemption_mode == "swap":
             self.block_manager.swap_out(seq, self.kv_storage)

@@ -95,6 +95,7 @@ class Tokenizer:
         return ids
 
     def encode_piece(self, piece: str) -> list[int]:
+        """The ids of one pre-tokenized piece: its bytes merged by rank (apply_merges), cached per piece."""
         ids = self._piece_cache.get(piece)
         if ids is None:
             byte_ids = self._byte_ids
