@@ -11,22 +11,22 @@ _SPEC = "labkit.engine.speculative."
 
 
 # ---- exercise 1: prompt lookup ---------------------------------------------------------------
-def reference_propose_ngram(token_ids, k, max_n, *, first=True, longest_first=True, include_match=False,
-                            clip=True, shorter=True):
-    """labkit's `ngram_lookup` with min_n = 1; the keywords re-create typical mistakes."""
+def reference_propose_ngram(token_ids, k, max_n, *, latest=False, shortest_first=False, include_match=False,
+                            unclipped=False, no_fallback=False):
+    """labkit's `ngram_lookup` with min_n = 1; each keyword, set, makes one of _NGRAM_MISTAKES."""
     sizes = range(min(max_n, len(token_ids) - 1), 0, -1)
-    if not longest_first:
+    if shortest_first:
         sizes = reversed(list(sizes))
-    if not shorter:
+    if no_fallback:
         sizes = [n for n in sizes if n == min(max_n, len(token_ids) - 1)]
     for n in sizes:
         tail = token_ids[-n:]
         last = len(token_ids) - n - 1  # never the tail itself
-        starts = range(last + 1) if first else range(last, -1, -1)
+        starts = range(last, -1, -1) if latest else range(last + 1)
         for start in starts:
             if token_ids[start:start + n] == tail:
                 begin = start if include_match else start + n
-                return token_ids[begin:begin + k] if clip else token_ids[begin:]
+                return token_ids[begin:] if unclipped else token_ids[begin:begin + k]
     return []
 
 
@@ -40,17 +40,17 @@ _NGRAM_CASES = [
     ([3], 2, 2),
     ([6, 6], 4, 3),
 ]
-_NGRAM_MISTAKES = (
-    (dict(first=False), "you took the latest earlier match; take the first one: it leaves the most tokens after it "
-                        "(in a run x x x x the latest match is followed by one token)"),
-    (dict(longest_first=False), "you tried short n-grams first: try the longest n-gram (max_n) first, a longer "
-                                "match predicts better"),
-    (dict(include_match=True), "you proposed the matched n-gram itself: the context already ends with it, "
-                               "propose the tokens that followed it"),
-    (dict(clip=False), "you returned every token after the match: propose at most k"),
-    (dict(shorter=False), "no match of length max_n and you gave up: fall back to shorter n-grams, down to 1 "
-                          "(and only an earlier occurrence counts, never the context's own tail)"),
-)
+_NGRAM_MISTAKES = {  # reference_propose_ngram's keyword that re-creates the mistake: what that answer got wrong
+    "latest": "you took the latest earlier match; take the first one: it leaves the most tokens after it (in a run "
+              "x x x x the latest match is followed by one token)",
+    "shortest_first": "you tried short n-grams first: try the longest n-gram (max_n) first, a longer match predicts "
+                      "better",
+    "include_match": "you proposed the matched n-gram itself: the context already ends with it, propose the tokens "
+                     "that followed it",
+    "unclipped": "you returned every token after the match: propose at most k",
+    "no_fallback": "no match of length max_n and you gave up: fall back to shorter n-grams, down to 1 (and only an "
+                   "earlier occurrence counts, never the context's own tail)",
+}
 
 
 @exercise("14", "propose_ngram", forbidden=(_SPEC + "ngram_lookup", _SPEC + "NgramDrafter.propose",
@@ -63,35 +63,37 @@ def propose_ngram(ns):
             raise ExerciseFailed(f"return a list of token ids (ints), got {type(got).__name__}")
         want = reference_propose_ngram(token_ids, k, max_n)
         if got != want:
-            for kwargs, why in _NGRAM_MISTAKES:
-                if got == reference_propose_ngram(token_ids, k, max_n, **kwargs):
+            for mistake, why in _NGRAM_MISTAKES.items():
+                if got == reference_propose_ngram(token_ids, k, max_n, **{mistake: True}):
                     raise ExerciseFailed(f"propose_ngram({token_ids}, k={k}, max_n={max_n}) gave {got}: {why}")
             raise ExerciseFailed(f"propose_ngram({token_ids}, k={k}, max_n={max_n}) gave {got}, expected {want}")
     return "the first earlier match of the longest recurring n-gram, at most k tokens"
 
 
 # ---- exercise 2: greedy verification ---------------------------------------------------------
-def reference_verify_greedy(logits, draft, *, bonus=True, stop=True, correct=True, shift=0):
+def reference_verify_greedy(logits, draft, *, no_bonus=False, keeps_going=False, no_correction=False,
+                            shifted=False):
+    """labkit's `verify_greedy`; each keyword, set, makes one of _GREEDY_MISTAKES."""
     choices = logits.argmax(-1).tolist()
     out = []
     for i, guess in enumerate(draft):
-        if guess != choices[min(i + shift, len(choices) - 1)]:
-            if not stop:
+        if guess != choices[min(i + 1, len(choices) - 1) if shifted else i]:
+            if keeps_going:
                 continue
-            return out + ([choices[i]] if correct else [])
+            return out + ([] if no_correction else [choices[i]])
         out.append(guess)
-    return out + ([choices[len(draft)]] if bonus else [])
+    return out + ([] if no_bonus else [choices[len(draft)]])
 
 
-_GREEDY_MISTAKES = (
-    (dict(bonus=False), "all k drafts matched and you stopped: the last row predicts one more token, the bonus"),
-    (dict(stop=False), "you kept drafts after a mismatch: once a draft is wrong, every later row was computed on "
-                       "a wrong context; stop at the first mismatch"),
-    (dict(correct=False), "at the first mismatch you returned nothing new: the target's own choice at that row "
-                          "is a correct token, keep it"),
-    (dict(shift=1), "row i of the logits predicts the token at draft position i (it reads the context up to "
-                    "draft i - 1), not draft i + 1"),
-)
+_GREEDY_MISTAKES = {  # reference_verify_greedy's keyword that re-creates the mistake: what that answer got wrong
+    "no_bonus": "all k drafts matched and you stopped: the last row predicts one more token, the bonus",
+    "keeps_going": "you kept drafts after a mismatch: once a draft is wrong, every later row was computed on a wrong "
+                   "context; stop at the first mismatch",
+    "no_correction": "at the first mismatch you returned nothing new: the target's own choice at that row is a "
+                     "correct token, keep it",
+    "shifted": "row i of the logits predicts the token at draft position i (it reads the context up to draft i - 1), "
+               "not draft i + 1",
+}
 
 
 @exercise("14", "verify_greedy", forbidden=(_SPEC + "verify_greedy",
@@ -111,8 +113,8 @@ def verify_greedy(ns):
         if not isinstance(got, list) or not all(isinstance(t, int) for t in got):
             raise ExerciseFailed(f"return a list of token ids (ints), got {type(got).__name__}")
         if got != want:
-            for kwargs, why in _GREEDY_MISTAKES:
-                if got == reference_verify_greedy(logits, draft, **kwargs):
+            for mistake, why in _GREEDY_MISTAKES.items():
+                if got == reference_verify_greedy(logits, draft, **{mistake: True}):
                     raise ExerciseFailed(f"draft {draft} against argmaxes {choices} gave {got}: {why}")
             raise ExerciseFailed(f"draft {draft} against argmaxes {choices} gave {got}, expected {want}")
     return "accepted prefix, then the correction or the bonus token"
@@ -339,11 +341,11 @@ def reference_best_k(alpha, draft_cost, max_k, *, off_by_one=False, no_cost=Fals
 
 _K_CASES = [(0.8, 0.05, 8), (0.5, 0.1, 6), (0.9, 0.02, 10), (1.0, 0.1, 5), (0.0, 0.1, 4), (0.7, 0.3, 6),
             (0.95, 0.0, 3), (0.0, 0.0, 4), (1.0, 1.0, 3)]  # the last two: every k ties
-_K_MISTAKES = (
-    (dict(off_by_one=True), "k drafts give up to k + 1 tokens (the bonus): E = (1 - alpha^(k+1)) / (1 - alpha)"),
-    (dict(no_cost=True), "the drafter is not free: a step costs 1 + k * draft_cost target forwards"),
-    (dict(cost_k1=True), "the drafter runs k times (one per draft), not k + 1: cost 1 + k * draft_cost"),
-)
+_K_MISTAKES = {  # reference_best_k's keyword that re-creates the mistake: what that answer got wrong
+    "off_by_one": "k drafts give up to k + 1 tokens (the bonus): E = (1 - alpha^(k+1)) / (1 - alpha)",
+    "no_cost": "the drafter is not free: a step costs 1 + k * draft_cost target forwards",
+    "cost_k1": "the drafter runs k times (one per draft), not k + 1: cost 1 + k * draft_cost",
+}
 
 
 @exercise("14", "best_k", forbidden=("labkit_course.grading.labs.lab14.reference_best_k",))
@@ -361,8 +363,8 @@ def best_k(ns):
         want_k, want_speedup = reference_best_k(alpha, cost, max_k)
         if k == want_k and math.isclose(float(speedup), want_speedup, rel_tol=1e-6):
             continue
-        for kwargs, why in _K_MISTAKES:
-            wk, ws = reference_best_k(alpha, cost, max_k, **kwargs)
+        for mistake, why in _K_MISTAKES.items():
+            wk, ws = reference_best_k(alpha, cost, max_k, **{mistake: True})
             if k == wk and math.isclose(float(speedup), ws, rel_tol=1e-6):
                 raise ExerciseFailed(f"best_k({alpha}, {cost}, {max_k}) gave {got}: {why}")
         if k == 0:
