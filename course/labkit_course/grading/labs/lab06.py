@@ -268,50 +268,50 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long).view(len(rows), width)
 
 
-def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, *, negative="multiply",
-               per_occurrence=False, repetition_from="both", counted_from="output", frequency_counts=True,
-               rows="own", presence_sign=-1, subtract_first=False, presence_counts=False, whole_row=False):
-    """Each row's penalties applied with loops, the readable way; the switches make typical mistakes."""
+def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, *, divides_negatives=False,
+               per_occurrence=False, repetition_output_only=False, counts_prompt=False, frequency_once=False,
+               first_row=False, adds_presence=False, subtract_first=False, presence_counts=False, whole_row=False):
+    """Each row's penalties applied with loops, the readable way; each keyword, set, makes one of
+    _PENALTY_MISTAKES."""
     out = logits.clone()
     for b, row in enumerate(out):
-        r = 0 if rows == "first" else b
-        history = {"both": prompt_ids[b] + output_ids[b], "output": output_ids[b]}[repetition_from]
-        generated = {"output": output_ids[b], "both": prompt_ids[b] + output_ids[b]}[counted_from]
-        subtracted = {token: frequency[r] * (generated.count(token) if frequency_counts else 1)
-                      - presence_sign * presence[r] * (generated.count(token) if presence_counts else 1)
+        r = 0 if first_row else b
+        history = output_ids[b] if repetition_output_only else prompt_ids[b] + output_ids[b]
+        generated = prompt_ids[b] + output_ids[b] if counts_prompt else output_ids[b]
+        subtracted = {token: frequency[r] * (1 if frequency_once else generated.count(token))
+                      - (1 if adds_presence else -1) * presence[r] * (generated.count(token) if presence_counts else 1)
                       for token in set(generated)}
         if subtract_first:
             row[list(subtracted)] -= torch.tensor(list(subtracted.values()), dtype=row.dtype)
         for token in range(len(row)) if whole_row else set(history):
             for _ in range(history.count(token) if per_occurrence else 1):
-                row[token] = row[token] / repetition[r] if row[token] > 0 or negative == "divide" \
+                row[token] = row[token] / repetition[r] if row[token] > 0 or divides_negatives \
                     else row[token] * repetition[r]
         if not subtract_first:
             row[list(subtracted)] -= torch.tensor(list(subtracted.values()), dtype=row.dtype)
     return out
 
 
-_PENALTY_MISTAKES = (
-    (dict(negative="divide"), "a negative logit was divided by the penalty, which moves it toward 0 and makes the "
-                              "token MORE likely: multiply negative logits, divide positive ones"),
-    (dict(per_occurrence=True), "repetition_penalty was applied once per occurrence: it applies once to every "
-                                "distinct token seen, however often"),
-    (dict(repetition_from="output"), "the prompt's tokens escaped repetition_penalty: it covers the prompt and the "
-                                     "output so far"),
-    (dict(counted_from="both"), "presence and frequency penalties counted the prompt's tokens: they count only "
-                                "generated (output) tokens"),
-    (dict(frequency_counts=False), "frequency_penalty was subtracted once per token: it is subtracted once per "
-                                   "occurrence (times the count)"),
-    (dict(presence_sign=1), "presence_penalty was added: subtract it, so that a positive penalty discourages"),
-    (dict(rows="first"), "every row used the first row's penalties: each request brings its own"),
-    (dict(presence_counts=True), "presence_penalty was subtracted once per occurrence: it is subtracted once from "
-                                 "each generated token, however often it was generated (the count is "
-                                 "frequency_penalty's)"),
-    (dict(whole_row=True), "repetition_penalty was applied to the whole row: it applies only to the tokens seen "
-                           "so far (prompt and output)"),
-    (dict(subtract_first=True), "the penalties were applied in the wrong order: repetition_penalty first, on "
-                                   "the raw logits (its sign test reads them), then subtract frequency and presence"),
-)
+_PENALTY_MISTAKES = {  # _penalized's keyword that re-creates the mistake: what that answer got wrong
+    "divides_negatives": "a negative logit was divided by the penalty, which moves it toward 0 and makes the token "
+                         "MORE likely: multiply negative logits, divide positive ones",
+    "per_occurrence": "repetition_penalty was applied once per occurrence: it applies once to every distinct token "
+                      "seen, however often",
+    "repetition_output_only": "the prompt's tokens escaped repetition_penalty: it covers the prompt and the output "
+                              "so far",
+    "counts_prompt": "presence and frequency penalties counted the prompt's tokens: they count only generated (output) "
+                     "tokens",
+    "frequency_once": "frequency_penalty was subtracted once per token: it is subtracted once per occurrence (times "
+                      "the count)",
+    "adds_presence": "presence_penalty was added: subtract it, so that a positive penalty discourages",
+    "first_row": "every row used the first row's penalties: each request brings its own",
+    "presence_counts": "presence_penalty was subtracted once per occurrence: it is subtracted once from each generated "
+                       "token, however often it was generated (the count is frequency_penalty's)",
+    "whole_row": "repetition_penalty was applied to the whole row: it applies only to the tokens seen so far (prompt "
+                 "and output)",
+    "subtract_first": "the penalties were applied in the wrong order: repetition_penalty first, on the raw logits (its "
+                      "sign test reads them), then subtract frequency and presence",
+}
 
 
 @exercise("06", "apply_penalties", forbidden=("labkit.sampling.apply_penalties",
@@ -335,8 +335,8 @@ def apply_penalties(ns):
     if torch.allclose(got, want, atol=1e-5):
         return ("repetition first, on prompt + output (once per token, by sign); then presence and frequency on "
                 "the output")
-    for mistake, why in _PENALTY_MISTAKES:
-        if torch.allclose(got, _penalized(logits, prompt_ids, output_ids, *settings, **mistake), atol=1e-5):
+    for mistake, why in _PENALTY_MISTAKES.items():
+        if torch.allclose(got, _penalized(logits, prompt_ids, output_ids, *settings, **{mistake: True}), atol=1e-5):
             raise ExerciseFailed(why)
     if torch.allclose(got, logits):
         raise ExerciseFailed("the logits came back unchanged: apply the penalties to the tokens each row has seen")
