@@ -23,12 +23,13 @@ A part left at its default is labkit's own answer to that exercise (`labkit_<par
 against the same signature; `LLM(components=EngineParts().components())` therefore runs every adapter
 below with labkit's answers and gives the tokens of `LLM()` (the tests check it). The adapters are the
 block manager, scheduler and model runner that the engine builds through its public hook,
-`EngineComponents` (labkit/engine/components.py lists the methods they override). They turn the engine's state into each exercise's
-plain arguments, call the part, use its answer (a `can_append` that says False preempts, even
-needlessly), and raise `PartError` naming the part when it raises, answers something the engine
-cannot use, or leaves the engine without progress (no sequence due a token for longer than any
-chunked prefill takes). Block-manager calls are all or nothing: a part that fails halfway leaves the
-block pool as it was, so aborting the requests (as `generate` does on any error) returns every block.
+`EngineComponents` (labkit/engine/components.py lists the methods they override). They turn the
+engine's state into each exercise's plain arguments, call the part, use its answer (a `can_append`
+that says False preempts, even needlessly), and raise `PartError` naming the part when it raises,
+answers something the engine cannot use, or leaves the engine without progress (no sequence due a
+token for longer than any chunked prefill takes). Block-manager calls are all or nothing: a part that
+fails halfway leaves the block pool as it was, so aborting the requests (as `generate` does on any
+error) returns every block.
 """
 
 import copy
