@@ -43,10 +43,11 @@ import torch  # noqa: E402
 from labkit.engine import LLM  # noqa: E402
 from labkit.model import layers  # noqa: E402
 from labkit.model.config import ModelConfig  # noqa: E402
-from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model  # noqa: E402
+from labkit.model.random_weights import SMOLLM2_135M, random_model  # noqa: E402
 from labkit.model.transformers_oracle import transformers_twin  # noqa: E402
 from labkit.sampling import SamplingParams  # noqa: E402
 from labkit.timing import measure  # noqa: E402
+from labkit.tokenizer import placeholder_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # gpu_check's measurements

@@ -97,9 +97,9 @@ def model_source(requested: str) -> str:
 def load_pair(source: str, device, dtype, num_layers: int | None = None):
     """(labkit model, its tokenizer, transformers' model with the same weights)."""
     from labkit.model import load_model
-    from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model
+    from labkit.model.random_weights import SMOLLM2_135M, random_model
     from labkit.model.transformers_oracle import load_transformers_model, transformers_twin
-    from labkit.tokenizer import load_tokenizer
+    from labkit.tokenizer import load_tokenizer, placeholder_tokenizer
 
     if source == "smollm2":
         hf, _ = load_transformers_model("smollm2", dtype=dtype, device=device)

@@ -15,8 +15,9 @@ import torch
 from labkit.cache.block_manager import hash_block
 from labkit.engine import LLM, FinishReason
 from labkit.engine.components import EngineComponents
-from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model
+from labkit.model.random_weights import SMOLLM2_135M, random_model
 from labkit.sampling import SamplingParams
+from labkit.tokenizer import placeholder_tokenizer
 from labkit_course.engine_parts import EngineParts, PartError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

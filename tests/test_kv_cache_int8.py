@@ -19,9 +19,9 @@ from labkit.cache.paged_storage import PagedKVStorage, slot_mapping
 from labkit.engine import LLM
 from labkit.engine.memory import kv_bytes_per_block, num_blocks_for_memory
 from labkit.model import load_model
-from labkit.model.random_weights import SMOLLM2_135M, placeholder_tokenizer, random_model
+from labkit.model.random_weights import SMOLLM2_135M, random_model
 from labkit.sampling import SamplingParams
-from labkit.tokenizer import load_tokenizer
+from labkit.tokenizer import load_tokenizer, placeholder_tokenizer
 
 SMALL = dataclasses.replace(SMOLLM2_135M, num_layers=2, vocab_size=512)
 BLOCK = 16

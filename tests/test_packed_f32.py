@@ -14,9 +14,10 @@ from labkit.engine import LLM
 from labkit.kernels import build, gemm
 from labkit.model import load_model
 from labkit.model.packed_linear import PackedF32Linear
-from labkit.model.random_weights import placeholder_tokenizer
+from labkit.model.random_weights import SMOLLM2_135M
 from labkit.model.weight_formats import apply_weight_format
 from labkit.sampling import SamplingParams
+from labkit.tokenizer import placeholder_tokenizer
 
 SMOLLM2_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (in, out): q/o, k/v, gate/up, down
 
@@ -128,7 +129,8 @@ def test_the_packed_model_keeps_the_logits_and_the_engines_greedy_tokens(compile
         ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 253, 1341, 30, 378, 1978, 314])
         with torch.inference_mode():
             assert (packed(ids) - plain(ids)).abs().max() <= 1e-3
-        tokenizer = placeholder_tokenizer()  # byte ids: the same prompts for both engines, without a tokenizer load
+        # byte ids: the same prompts for both engines, without a tokenizer load
+        tokenizer = placeholder_tokenizer(SMOLLM2_135M.vocab_size)
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         prompts = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4,"]
         engines = [LLM(model, tokenizer=tokenizer, num_kvcache_blocks=32) for model in (plain, packed)]

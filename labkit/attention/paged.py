@@ -25,12 +25,15 @@ is taken by the torch backend whenever a batch has no cached prefix, which skips
 """
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 
 from labkit.attention import cpu_decode, reference, triton_kernels
 from labkit.attention.metadata import AttentionMetadata
-from labkit.cache.paged_storage import PagedKVStorage
+
+if TYPE_CHECKING:  # the storage is handed in; attention never builds one (labkit.cache attends with labkit.attention)
+    from labkit.cache.paged_storage import PagedKVStorage
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -55,7 +58,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 class PagedAttentionBackend:
-    def __init__(self, storage: PagedKVStorage, backend: str = "auto"):
+    def __init__(self, storage: "PagedKVStorage", backend: str = "auto"):
         self.storage = storage
         self.backend = resolve_backend(backend, storage.device)
         if self.backend == "triton" and storage.quantized:

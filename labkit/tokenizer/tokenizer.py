@@ -250,3 +250,10 @@ def train(text: str, vocab_size: int, pattern: str = "gpt2",
     vocab = learned_vocab(merges)
     special_ids = {s: len(vocab) + i for i, s in enumerate(specials)}
     return Tokenizer(vocab + [s.encode("utf-8") for s in specials], merges, source, special_ids)
+
+
+def placeholder_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level ids 0..255 for text, and "<id>" for every other id, so any id a random-weight model
+    (labkit.model.random_weights) generates decodes."""
+    vocab = [bytes([b]) for b in range(256)] + [f"<{i}>".encode() for i in range(256, vocab_size)]
+    return Tokenizer(vocab, merges=[])
