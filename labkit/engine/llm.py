@@ -8,7 +8,7 @@
 
 The keywords are an `EngineConfig`'s fields (config.py); builder.py builds the engine from it.
 Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model
-runner runs one forward pass, the engine samples (forking a request's n samples: samples.py),
+runner runs one forward pass, the engine samples (draws.py, forking a request's n samples: samples.py),
 appends the tokens with their stop decision (output_processor.py) and releases what finished.
 """
 
@@ -23,11 +23,11 @@ from labkit.engine import inputs, samples
 from labkit.engine.beam_search import EngineBeamSearch
 from labkit.engine.builder import build_engine
 from labkit.engine.config import EngineConfig
+from labkit.engine.draws import StepDrawer
 from labkit.engine.interrupts import deferred_interrupts
 from labkit.engine.metrics import EngineMetrics
 from labkit.engine.output_processor import OutputProcessor
 from labkit.engine.outputs import BeamSearchOutput, RequestOutput
-from labkit.engine.scheduler import SchedulerOutput
 from labkit.engine.sequence import Sequence
 from labkit.sampling import BeamSearchParams, SamplingParams
 
@@ -48,6 +48,7 @@ class LLM:
         self._outputs: dict[int, RequestOutput] = {}  # finished, not yet handed to whoever owns them
         self._claimed: set[int] = set()  # requests a running generate() or stream() collects itself
         self._ids = itertools.count()
+        self._drawer = StepDrawer(self.runner, self.output_processor, self.scheduler, self.eos_token_id, self._ids)
 
     # --- requests ----------------------------------------------------------------------------
     def _make_sequence(self, prompt, params: SamplingParams, priority: int) -> Sequence:
@@ -120,7 +121,7 @@ class LLM:
         if not out.is_empty:
             num_batched_tokens = out.num_batched_tokens  # before forked samples join `out`
             if self.speculative is None:
-                draws = self._run_isolated(out)
+                draws = self._drawer.draw_isolated(out)
                 now = time.perf_counter()
                 for draw in draws:
                     if draw.forked_from is not None:
@@ -136,41 +137,6 @@ class LLM:
                                      self.block_manager, self.speculative)
         for seq in [s for s in self._requests.values() if s.group_finished]:
             self._finalize(seq)
-
-    def _run_isolated(self, out: SchedulerOutput) -> list[samples.Draw]:
-        """The step's draws (see `_draw`). If the batch fails, each scheduled sequence runs alone:
-        a request whose step fails by itself finishes with reason ERROR (its error as stop_reason),
-        all its samples with it, and the others go on; if every one of several fails, the engine is
-        at fault and it raises."""
-        try:
-            return self._draw(out.seqs, out.num_new_tokens)
-        except Exception as batch_error:
-            draws, failures = [], {}
-            for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-                try:
-                    draws += self._draw([seq], [n])
-                except Exception as error:  # noqa: BLE001 - isolate it; its output carries the message
-                    failures[seq] = error
-            if len(failures) == len(out.seqs) > 1:
-                raise batch_error
-            for seq, error in failures.items():
-                samples.fail(self.scheduler, seq, f"{type(error).__name__}: {error}")
-            return [d for d in draws if not (d.forked_from or d.seq).is_finished]  # not a failed request's
-
-    def _draw(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[samples.Draw]:
-        """Run the model over `seqs` and sample the next token of each that is due one, and the first
-        token of each new sample a request forks now (samples.who_draws). Changes nothing but the K/V
-        it computes and prompt logprobs (positions already recorded are skipped), so a failed or
-        interrupted call can simply be repeated."""
-        forward = self.runner.forward(seqs, num_new_tokens)
-        self.output_processor.add_prompt_logprobs(forward.prompt_logits)
-        drawn, parents, rows = samples.who_draws(forward.sampled_seqs, self._ids)
-        if not drawn:
-            return []
-        logits = forward.logits if len(rows) == len(forward.sampled_seqs) else forward.logits[rows]
-        tokens = self.runner.sample(logits, drawn, self.eos_token_id)
-        logprobs = self.output_processor.sampled_logprobs(logits, drawn, tokens)
-        return [samples.Draw(*draw) for draw in zip(drawn, tokens, logprobs, parents, strict=True)]
 
     def _finalize(self, seq: Sequence) -> None:
         """Keep the output of a finished request (`seq` is its sample 0) for its owner; forget the request."""
