@@ -8,5 +8,5 @@
 - server.py:      `labkit serve`, servers in a thread or a child process, and the connection limits
 - loadgen.py:     Poisson arrivals, TTFT/TPOT percentiles and throughput per request rate
 
-Needs the `serve` extra: `pip install labkit[serve]` (starlette, uvicorn, prometheus-client).
+Needs the `serve` extra: `pip install 'labkit[serve]'` (starlette, uvicorn, prometheus-client).
 """
