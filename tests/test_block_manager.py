@@ -229,6 +229,28 @@ def test_swap_out_and_in_restores_the_kv_and_frees_the_blocks():
     bm.check_invariants([seq])
 
 
+def test_a_failed_swap_in_keeps_the_cpu_copy_and_takes_no_block():
+    storage = PagedKVStorage(num_layers=1, num_blocks=4, block_size=8, num_kv_heads=1, head_dim=4)
+    storage.kv.copy_(torch.randn(storage.kv.shape))
+    bm = BlockManager(num_blocks=4, block_size=8)
+    seq = BlockSequence("s", list(range(12)))
+    bm.allocate(seq)
+    computed(seq)
+    before = storage.read_blocks(seq.block_table)
+    bm.swap_out(seq, storage)
+
+    class BrokenCopy:
+        def write_blocks(self, block_ids, data):
+            raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        bm.swap_in(seq, BrokenCopy())
+    assert bm.is_swapped(seq) and seq.block_table == [] and bm.num_free_blocks == 4
+    bm.check_invariants([seq])
+    bm.swap_in(seq, storage)  # the retry finds the CPU copy
+    torch.testing.assert_close(storage.read_blocks(seq.block_table), before, rtol=0, atol=0)
+
+
 def test_aborting_a_swapped_sequence_drops_its_cpu_copy():
     storage = PagedKVStorage(num_layers=1, num_blocks=2, block_size=8, num_kv_heads=1, head_dim=4)
     bm = BlockManager(num_blocks=2, block_size=8)

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from labkit.cache.block_manager import hash_block
+from labkit.cache.paged_storage import PagedKVStorage
+from labkit.cache.sequence_blocks import BlockSequence
 from labkit.engine import LLM, FinishReason
 from labkit.engine.components import EngineComponents
 from labkit.model.random_weights import SMOLLM2_135M, random_model
@@ -263,6 +265,29 @@ def test_a_part_raising_midway_leaves_no_block_or_request_behind(small):
                   max_model_len=96, components=parts.components())
         assert message in failure(llm, PROMPTS, GREEDY)
         assert_no_leak(llm)
+
+
+def test_a_take_free_block_failing_in_swap_in_keeps_the_swapped_kv():
+    fail = {"now": False}
+
+    def take(*args):
+        if fail["now"]:
+            raise RuntimeError("student bug")
+        return plain_take(*args)
+
+    manager = EngineParts(take_free_block=take).components().block_manager(8, 8)
+    storage = PagedKVStorage(num_layers=1, num_blocks=8, block_size=8, num_kv_heads=1, head_dim=4)
+    seq = BlockSequence("s", list(range(20)))
+    manager.allocate(seq)
+    manager.swap_out(seq, storage)
+    fail["now"] = True
+    with pytest.raises(PartError, match="take_free_block"):
+        manager.swap_in(seq, storage)
+    assert manager.is_swapped(seq) and seq.block_table == [] and manager.num_free_blocks == 8
+    fail["now"] = False
+    manager.swap_in(seq, storage)
+    assert len(seq.block_table) == 3
+    manager.check_invariants([seq])
 
 
 def test_smollm2_with_plain_parts_matches_through_preemption():

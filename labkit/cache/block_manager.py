@@ -257,8 +257,7 @@ class BlockManager:
                 try:
                     storage.copy_blocks([(source, destination)])
                 except BaseException:
-                    self.blocks[destination].ref_count = 0
-                    self.free_uncached.appendleft(destination)
+                    self._untake([destination])
                     raise
             self.blocks[source].ref_count -= 1  # still > 0: the other owners keep it
             seq.block_table[shared] = destination
@@ -361,6 +360,12 @@ class BlockManager:
         self.stats.evictions += evicting
         return block_id
 
+    def _untake(self, block_ids: list[int]) -> None:
+        """Put blocks just taken, and written into no table, back at the front of the free pool."""
+        for block_id in reversed(block_ids):
+            self.blocks[block_id].ref_count = 0
+            self.free_uncached.appendleft(block_id)
+
     # ---- swapping (the sequence design note's Swapped state) -----------------------------------
     def swap_out(self, seq: SequenceBlocks, storage: BlockStorage) -> None:
         """Copy a running sequence's K/V to CPU memory and free its blocks; num_cached_tokens is kept."""
@@ -387,9 +392,16 @@ class BlockManager:
                 f"sequence {seq.seq_id!r} needs {self._swapped[seq.seq_id].num_blocks} free blocks to "
                 f"swap in, {self.num_free_blocks} are free"
             )
-        swapped = self._swapped.pop(seq.seq_id)
-        seq.block_table = [self.take_free_block() for _ in range(swapped.num_blocks)]
-        storage.write_blocks(seq.block_table, swapped.data)
+        swapped = self._swapped[seq.seq_id]
+        table: list[int] = []
+        try:  # all or nothing: a failed copy (or a subclass's failing take_free_block) keeps the CPU copy
+            table.extend(self.take_free_block() for _ in range(swapped.num_blocks))
+            storage.write_blocks(table, swapped.data)
+        except BaseException:
+            self._untake(table)
+            raise
+        del self._swapped[seq.seq_id]
+        seq.block_table = table
 
     # ---- consistency -------------------------------------------------------------------------
     def check_invariants(self, sequences=None) -> None:
