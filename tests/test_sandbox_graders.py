@@ -50,6 +50,11 @@ def test_grading_refuses_a_course_package_installed_outside_the_checkout(monkeyp
     """`pip install ./course` puts the graders in site-packages, which the sandbox lets kernels read."""
     assert sandbox.install_problem() is None, "this checkout's editable install is the one graded from"
     monkeypatch.setattr(sandbox, "COURSE_ROOT", tmp_path)  # as if labkit_course came from somewhere else
-    with pytest.raises(sandbox.SandboxUnavailable, match=r"not from the checkout.*pip install -e \. -e course"):
+    (tmp_path / "course").mkdir()
+    (tmp_path / "course" / "pyproject.toml").touch()
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"not from the checkout at .*course: .*pip install -e \. -e"):
         sandbox.mode()
     assert sandbox.mode(no_sandbox=True) == "none"
+    (tmp_path / "course" / "pyproject.toml").unlink()  # labkit installed from a wheel too: no checkout to name
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"not from a checkout: .*pip install -e \. -e course"):
+        sandbox.mode()

@@ -103,9 +103,12 @@ def install_problem() -> str | None:
     import labkit_course
 
     package = Path(labkit_course.__file__).resolve().parent
-    if package.is_relative_to(COURSE_ROOT / "course"):
+    checkout = COURSE_ROOT / "course"
+    if package.is_relative_to(checkout):
         return None
-    return (f"the course package is imported from {package}, not from the checkout at {COURSE_ROOT / 'course'}: "
+    # labkit itself may be installed (not editable) too: then there is no checkout to name
+    where = f"the checkout at {checkout}" if (checkout / "pyproject.toml").is_file() else "a checkout"
+    return (f"the course package is imported from {package}, not from {where}: "
             "installed like that (pip install without -e), its graders and the knowledge checks' keys sit in the "
             "Python environment, which every student's kernel can read. Install both packages from the checkout, "
             "editable: make setup, or pip install -e . -e course")
