@@ -16,6 +16,7 @@ from labkit.sampling import SamplingParams
 
 @pytest.mark.parametrize(("settings", "error", "message"), [
     ({"block_size": 0}, ValueError, "block_size must be a positive integer"),
+    ({"block_size": 12}, ValueError, "block_size must be a power of two >= 8, got 12"),
     ({"num_kvcache_blocks": 2.5}, ValueError, "num_kvcache_blocks must be a positive integer or None"),
     ({"max_model_len": True}, ValueError, "max_model_len must be a positive integer or None"),
     ({"max_num_seqs": 0}, ValueError, "max_num_seqs must be a positive integer"),

@@ -20,6 +20,7 @@ import torch
 
 from labkit.attention.paged import BACKENDS
 from labkit.cache.kv_quant import KV_CACHE_DTYPES
+from labkit.cache.paged_storage import check_block_size
 from labkit.engine.components import EngineComponents
 from labkit.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES
 from labkit.engine.scheduler import SchedulerConfig
@@ -58,6 +59,7 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("block_size", "cpu_kv_cache_bytes"):
             _check_positive_int(name, getattr(self, name))
+        check_block_size(self.block_size)  # the paged storage's rule, before any weight is loaded
         for name in ("num_kvcache_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name), " or None")
