@@ -46,8 +46,8 @@ from labkit.engine.components import EngineComponents
 from labkit.engine.model_runner import ModelRunner, StepInputs, StepTensors, flatten_step
 from labkit.engine.scheduler import Scheduler, SchedulerOutput
 from labkit.engine.sequence import Sequence
-from labkit.sampling import Sampler, SamplingMetadata, SamplingParams
-from labkit.sampling.filters import apply_min_p, apply_temperature, apply_top_k, apply_top_p
+from labkit.sampling import Sampler, SamplingParams
+from labkit.sampling.filters import apply_top_k, apply_top_p
 
 
 class PartError(RuntimeError):
@@ -287,11 +287,8 @@ class PartsScheduler(Scheduler):
             use_cache = self.uses_prefix_cache(seq)
             hits = bm.prefix_hits(seq.token_ids) if use_cache else []
             cached = min(len(hits) * bm.block_size, seq.num_tokens - 1)
-            to_compute = seq.num_tokens - cached
-            if self.config.long_prefill_token_threshold > 0:  # vLLM's cap on one request's prefill per step
-                to_compute = min(to_compute, self.config.long_prefill_token_threshold)
-            priority = -self.order(seq)[0]
-            waiting.append(Request(name, priority, seq.arrival_order, to_compute,
+            to_compute = self.capped_prefill(seq.num_tokens - cached)
+            waiting.append(Request(name, self.effective_priority(seq), seq.arrival_order, to_compute,
                                    bm.blocks_to_take(seq.token_ids, hits)))
         running = [f"seq{seq.seq_id}" for seq in decodes]
         seats = self.config.max_num_seqs - len(self.running) + len(decodes)
@@ -385,14 +382,11 @@ class PartsSampler(Sampler):
         super().__init__()
         self.parts = parts
 
-    def filter(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
-        logits = apply_temperature(logits, temperature)
-        logits = self._per_setting(logits, "top_k_filter", metadata.top_k, lambda k: k > 0, int)
-        logits = self._per_setting(logits, "top_p_filter", metadata.top_p, lambda p: p < 1, float)
-        if (metadata.min_p > 0).any():
-            logits = apply_min_p(logits, metadata.min_p)
-        return logits
+    def top_k(self, logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+        return self._per_setting(logits, "top_k_filter", top_k, lambda k: k > 0, int)
+
+    def top_p(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        return self._per_setting(logits, "top_p_filter", top_p, lambda p: p < 1, float)
 
     def _per_setting(self, logits, part: str, settings: torch.Tensor, enabled, cast) -> torch.Tensor:
         result = logits.clone()

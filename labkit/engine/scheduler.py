@@ -262,16 +262,23 @@ class Scheduler:
         """Sort key: higher effective priority first, then earlier arrival. The effective priority
         is the priority plus one for every `priority_aging_steps` steps since the request was added
         (preemptions do not reset it), so nothing waits forever behind a stream of higher ones."""
+        return (-self.effective_priority(seq), seq.arrival_order)
+
+    def effective_priority(self, seq: Sequence) -> int:
+        """`seq`'s priority with its age bonus (see `order`)."""
         aging = self.config.priority_aging_steps
-        age_bonus = 0 if aging is None else (self.num_steps - seq.arrival_step) // aging
-        return (-(seq.priority + age_bonus), seq.arrival_order)
+        return seq.priority + (0 if aging is None else (self.num_steps - seq.arrival_step) // aging)
 
     def chunk_size(self, seq: Sequence, budget: int) -> int:
         """How many of its uncomputed tokens `seq` runs now: what the budget allows, and a prefill
         at most `long_prefill_token_threshold` (when set) so one long prompt cannot take a step."""
         n = min(seq.num_uncomputed_tokens, max(budget, 0))
+        return self.capped_prefill(n) if seq.is_prefill else n
+
+    def capped_prefill(self, num_tokens: int) -> int:
+        """A prefill's tokens this step under `long_prefill_token_threshold` (vLLM's cap; 0: none)."""
         cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap > 0 and seq.is_prefill else n
+        return min(num_tokens, cap) if cap > 0 else num_tokens
 
     def choose_victim(self, queue: list[Sequence]) -> Sequence:
         """The sequence to preempt so that `queue[0]` can grow: the lowest in order whose release
