@@ -230,6 +230,8 @@ class BlockManager:
         return None if index is None else seq.block_table[index]
 
     def can_append(self, seq: SequenceBlocks) -> bool:
+        """Whether the free blocks cover what `append` will take for `seq`'s tokens: the blocks its
+        new tokens start, plus a copy-on-write copy if its next write lands in a shared block."""
         cow = self.shared_write_index(seq) is not None
         return self.missing_blocks(seq) + cow <= self.num_free_blocks
 

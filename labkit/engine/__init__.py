@@ -12,6 +12,7 @@ _EXPORTS = {
     "BeamSearchOutput": "labkit.engine.outputs", "BeamSearchSequence": "labkit.engine.outputs",
     "CompletionOutput": "labkit.engine.outputs", "RequestOutput": "labkit.engine.outputs",
     "EngineMetrics": "labkit.engine.metrics", "RequestMetrics": "labkit.engine.metrics",
+    "ModelRunner": "labkit.engine.model_runner",
     "Scheduler": "labkit.engine.scheduler", "SchedulerConfig": "labkit.engine.scheduler",
     "SchedulerOutput": "labkit.engine.scheduler",
     "FinishReason": "labkit.engine.sequence", "Sequence": "labkit.engine.sequence",

@@ -154,6 +154,8 @@ class Scheduler:
 
     # --- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """One step's plan: the running sequences first (preempting where the blocks run out), then the
+        swapped ones back, then waiting requests (`admit_waiting`), within the step's token budget."""
         self.num_steps += 1
         # A step interrupted before its postprocess may have left finished sequences here: release
         # them now, or they would be scheduled again and get a token past their end.

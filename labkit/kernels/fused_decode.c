@@ -27,8 +27,8 @@ typedef void gemm_f32_fn(const float *x, int64_t ldx, const float *packed, const
 typedef int gemm_bf16_fn(const void *x, int x_f32, int64_t ldx, const uint16_t *packed, const float *bias, void *y,
                          int y_f32, int64_t m, int64_t n, int64_t K, int64_t used);
 
-/* One packed linear layer: `kind` (Q4_1, INT8 or F32_PACKED), its weight arrays (int8_dot.c's
- * layouts, or gemm_f32.c's panels in `a`), N outputs, K inputs as stored, n inputs used. */
+/* One packed linear layer: `kind` (Q4_1, INT8, F32_PACKED or BF16_PACKED), its weight arrays (int8_dot.c's
+ * layouts, or gemm_f32.c's or gemm_bf16.c's panels in `a`), N outputs, K inputs as stored, n inputs used. */
 typedef struct {
     int64_t kind;
     const void *a, *b, *c;
