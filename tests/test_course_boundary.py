@@ -1,7 +1,13 @@
 """The course drives the engine only through its public names: no course module or notebook reads,
-writes or names (in a forbidden path string) a private attribute that labkit defines. import-linter
-(`.importlinter`) keeps labkit from importing the course; this keeps the course off labkit's privates,
-so renaming one can never break a grader."""
+writes or names (as an attribute, through getattr/setattr/hasattr/delattr, or in a forbidden path
+string) a private attribute that labkit defines. import-linter (`.importlinter`) keeps labkit from
+importing the course; this keeps the course off labkit's privates, so renaming one can never break a
+grader.
+
+Two course mechanisms touch labkit objects generically, by design, and name no private: the
+tripwires (grading/forbidden.py) rebind whatever names hold a forbidden object in labkit's modules and
+classes while a student's code runs, and the grading codec (grading/codec.py) rebuilds the labkit
+dataclasses it may carry (a Block) from their public fields."""
 
 import ast
 import json
@@ -43,6 +49,10 @@ def _uses_of(private: set[str], source: str) -> list[str]:
         own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
         if isinstance(node, ast.Attribute) and node.attr in private and not own:
             found.append(f"line {node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in private):
+            found.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             found += [f"line {node.lineno}: {m}" for m in re.findall(r"\blabkit\.[\w.]*\._\w+", node.value)
                       if m.rsplit(".", 1)[1] in private]
@@ -59,6 +69,8 @@ def test_the_course_uses_no_private_name_of_the_engine():
 def test_the_scan_finds_a_private_read_a_write_and_a_forbidden_path():
     private = {"_free_cached", "_victim"}
     source = ("bm._free_cached.clear()\nbm._free_cached = {}\n"
-              "FORBIDDEN = ('labkit.engine.scheduler.Scheduler._victim',)\nself._free_cached = 1\n")
+              "FORBIDDEN = ('labkit.engine.scheduler.Scheduler._victim',)\nself._free_cached = 1\n"
+              "setattr(bm, '_free_cached', {})\ngetattr(bm, 'free_cached')\n")
     assert _uses_of(private, source) == ["line 1: ._free_cached", "line 2: ._free_cached",
-                                         "line 3: labkit.engine.scheduler.Scheduler._victim"]
+                                         "line 3: labkit.engine.scheduler.Scheduler._victim",
+                                         "line 5: setattr(..., '_free_cached')"]

@@ -222,8 +222,9 @@ class PartsBlockManager(BlockManager):
             yield
         except BaseException:
             objects, states, free_uncached, free_cached, hash_to_block, stats = saved
-            for block, state in zip(objects, states, strict=True):
-                block.__dict__.update(state.__dict__)
+            for block, state in zip(objects, states, strict=True):  # Block's public fields, in place
+                for field in dataclasses.fields(block):
+                    setattr(block, field.name, getattr(state, field.name))
             self.blocks[:] = objects
             self.free_uncached.clear()
             self.free_uncached.extend(free_uncached)
