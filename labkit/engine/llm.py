@@ -163,6 +163,8 @@ class LLM:
 
         Every prompt is checked before any is queued, so one bad prompt leaves the engine untouched.
         `use_tqdm=None` shows a progress bar only when stderr is a terminal (not in notebooks or tests).
+        Ctrl-C stops the call at once and aborts its requests (`step` instead finishes its step, because
+        the requests it advances belong to whoever queued them).
         """
         seqs = [self._make_sequence(*request) for request in inputs.requests(prompts, sampling_params, priority)]
         ids = [seq.seq_id for seq in seqs]
