@@ -204,7 +204,9 @@ def test_bad_sizes_name_the_parameter(kwargs, name):
         BlockManager(**kwargs)
 
 
-def test_swap_out_and_in_restores_the_kv_and_frees_the_blocks():
+def swapped_out():
+    """A pool of 4 blocks of 8 with random K/V, and a 12-token sequence swapped out of it: (manager,
+    storage, the sequence, its K/V as it was)."""
     storage = PagedKVStorage(num_layers=2, num_blocks=4, block_size=8, num_kv_heads=1, head_dim=4)
     storage.kv.copy_(torch.randn(storage.kv.shape))
     bm = BlockManager(num_blocks=4, block_size=8)
@@ -213,6 +215,11 @@ def test_swap_out_and_in_restores_the_kv_and_frees_the_blocks():
     computed(seq)
     before = storage.read_blocks(seq.block_table)
     bm.swap_out(seq, storage)
+    return bm, storage, seq, before
+
+
+def test_swap_out_and_in_restores_the_kv_and_frees_the_blocks():
+    bm, storage, seq, before = swapped_out()
     assert bm.is_swapped(seq) and seq.block_table == [] and seq.num_cached_tokens == 12
     filler = BlockSequence("filler", list(range(100, 132)))  # takes every block, overwriting the K/V
     bm.allocate(filler)
@@ -230,14 +237,7 @@ def test_swap_out_and_in_restores_the_kv_and_frees_the_blocks():
 
 
 def test_a_failed_swap_in_keeps_the_cpu_copy_and_takes_no_block():
-    storage = PagedKVStorage(num_layers=1, num_blocks=4, block_size=8, num_kv_heads=1, head_dim=4)
-    storage.kv.copy_(torch.randn(storage.kv.shape))
-    bm = BlockManager(num_blocks=4, block_size=8)
-    seq = BlockSequence("s", list(range(12)))
-    bm.allocate(seq)
-    computed(seq)
-    before = storage.read_blocks(seq.block_table)
-    bm.swap_out(seq, storage)
+    bm, storage, seq, before = swapped_out()
 
     class BrokenCopy:
         def write_blocks(self, block_ids, data):
