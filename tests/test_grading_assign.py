@@ -97,6 +97,15 @@ def test_cells_that_run_student_code_lose_outputs_transitively():
     assert _outputs(student_notebook(nb, "05_x.ipynb")) == [1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]
 
 
+def test_a_method_named_like_the_students_function_hides_its_cells_output():
+    nb = _notebook(
+        "def take(pool):\n    ### BEGIN SOLUTION\n    return pool.pop()\n    ### END SOLUTION",
+        "class Buggy(Manager):\n    def take(self):\n        return 0\n\nprint(Buggy().take())",  # not theirs
+        "class Other(Manager):\n    def give(self):\n        return 0\n\nprint(Other().give())",
+    )
+    assert _outputs(student_notebook(nb, "09_x.ipynb")) == [0, 0, 1]
+
+
 def test_mutating_an_object_with_student_code_taints_it():
     nb = _notebook(
         "### BEGIN SOLUTION\ndef norm(x):\n    return x\n### END SOLUTION",

@@ -144,6 +144,16 @@ class _CellNames:
                     self.defined.add(base.id)
 
 
+def _functions_named(source: str) -> set[str]:
+    """The names of every function and class a cell defines, methods included."""
+    try:
+        tree = ast.parse(MAGIC_LINE.sub(r"\1", SHELL_LINE.sub(r"\1pass", source)))
+    except SyntaxError:
+        return set()
+    return {node.name for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+
+
 def names_used_and_defined(source: str) -> tuple[set[str], set[str], set[str]]:
     """What a cell reads from earlier cells, what it binds or mutates, and what it imports. A cell
     Python cannot parse is taken to read every identifier in it."""
@@ -172,7 +182,10 @@ def student_notebook(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookN
         else:
             students_names -= defined  # rebound by course code: no longer the student's
         students_names -= imported
-        if runs_student_code or CHECK_CALL.search(source):
+        # A cell that defines a function or method under a student's name (a BlockManager subclass
+        # overriding take_free_block) shows no output either: beside the student's own function of that
+        # name, a stored result would read as theirs.
+        if runs_student_code or CHECK_CALL.search(source) or _functions_named(cell.source) & students_names:
             cell.outputs = []
             cell.execution_count = None
         cell.source = NBVAL_MARKER.sub("", source)
