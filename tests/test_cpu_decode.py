@@ -240,3 +240,14 @@ def test_two_processes_building_at_once_leave_one_whole_library(compiled, tmp_pa
     names = [process.communicate(timeout=120)[0].strip() for process in processes]
     assert names == [decode_attention.load().name] * 2
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_blocks_longer_than_the_kernel_takes_are_read_by_the_gather(compiled):
+    """An engine with blocks past MAX_BLOCK_SIZE attends through torch instead of failing every step."""
+    fits = PagedKVStorage(num_layers=1, num_blocks=1, block_size=decode_attention.MAX_BLOCK_SIZE, num_kv_heads=1,
+                          head_dim=16)
+    too_long = PagedKVStorage(num_layers=1, num_blocks=1, block_size=2 * decode_attention.MAX_BLOCK_SIZE,
+                              num_kv_heads=1, head_dim=16)
+    assert cpu_decode.supports(fits) and not cpu_decode.supports(too_long)
+    assert PagedAttentionBackend(fits, "torch").reads_pool_in_c
+    assert not PagedAttentionBackend(too_long, "torch").reads_pool_in_c

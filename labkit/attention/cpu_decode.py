@@ -19,9 +19,11 @@ from labkit.kernels import decode_attention
 
 def supports(storage) -> bool:
     """Whether the kernel can read this `PagedKVStorage`'s pools (compiling it if it was not yet): a
-    float32 or bfloat16 pool on the CPU with head_dim a multiple of 16. Quantized pools keep torch."""
+    float32 or bfloat16 pool on the CPU with head_dim a multiple of 16 and blocks of at most
+    MAX_BLOCK_SIZE tokens. Quantized pools keep torch."""
     return (storage.device.type == "cpu" and not storage.quantized and storage.dtype in decode_attention.ENTRY_POINTS
-            and storage.head_dim % 16 == 0 and decode_attention.load() is not None)
+            and storage.head_dim % 16 == 0 and storage.block_size <= decode_attention.MAX_BLOCK_SIZE
+            and decode_attention.load() is not None)
 
 
 class DecodePlan:
