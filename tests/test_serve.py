@@ -714,6 +714,22 @@ def test_a_request_the_engine_could_never_sample_is_refused_with_a_400(tiny_serv
     assert_engine_idle(llm)
 
 
+def test_a_kv_cache_smaller_than_max_model_len_is_the_context_the_server_serves():
+    """With a fixed num_kvcache_blocks below max_model_len, a request without max_tokens is filled to
+    what the cache holds (not refused for a context no sequence could reach), and /v1/models says so."""
+    llm = tiny_llm(num_kvcache_blocks=4, max_model_len=1024)  # 4 blocks x 16 = 64 tokens
+    with no_leaked_threads(), serve(llm) as server:
+        models = httpx.get(server.url + "/v1/models", trust_env=False).json()
+        assert models["data"][0]["max_model_len"] == 64
+        answer = client(server).completions.create(model=MODEL_NAME, prompt="The capital of France is",
+                                                   extra_body={"ignore_eos": True})
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 64
+        with pytest.raises(openai.BadRequestError, match="context of 64"):
+            client(server).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=100)
+        assert_engine_idle(llm)
+
+
 def test_streams_whose_clients_left_while_queued_are_aborted_before_their_prefill():
     """One seat, taken by a long request: five streams queue behind it and their clients hang up. They
     leave the queue at once, while the long request still runs, so none of them is ever prefilled."""

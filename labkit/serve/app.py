@@ -149,7 +149,11 @@ def error_response(error: RequestError) -> JSONResponse:
 class _Server:
     def __init__(self, llm: LLM, engine: EngineLoop, model_name: str, limits: Limits):
         self.llm, self.engine, self.model_name, self.limits = llm, engine, model_name, limits
-        self.max_model_len = llm.scheduler.config.max_model_len
+        # One sequence can hold no more than the whole KV cache: a cache smaller than max_model_len
+        # (a fixed num_kvcache_blocks) is the context this server serves and advertises, so a request
+        # without max_tokens is filled to what fits instead of refused.
+        cache_tokens = llm.block_manager.num_blocks * llm.block_manager.block_size
+        self.max_model_len = min(llm.scheduler.config.max_model_len, cache_tokens)
         self.max_num_seqs = llm.scheduler.config.max_num_seqs
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.longest_token_bytes = max(len(token) for token in llm.tokenizer.vocab)
