@@ -492,3 +492,22 @@ def test_any_integral_priority_is_taken(tiny):
         with pytest.raises(TypeError, match="priority must be an integer"):
             llm.add_request(prompt(0), greedy(2), priority=priority)
     assert_no_leak(llm)
+
+
+def test_generate_takes_no_semaphore_for_a_progress_bar_it_does_not_show(tiny, monkeypatch, capsys):
+    """Even a disabled tqdm bar takes a multiprocessing lock, a named semaphore that a process killed
+    before it exits (a grading worker) leaks; generate makes its bar only when it shows one."""
+    import multiprocessing
+
+    import tqdm
+    made = []
+    rlock = multiprocessing.RLock
+    monkeypatch.setattr(multiprocessing, "RLock", lambda *args, **kwargs: made.append(1) or rlock(*args, **kwargs))
+    monkeypatch.delattr(tqdm.tqdm, "_lock", raising=False)  # tqdm's lock, made afresh when next asked for
+    monkeypatch.delattr(tqdm.std.TqdmDefaultWriteLock, "mp_lock", raising=False)
+    llm = engine(tiny)
+    llm.generate([prompt(0), prompt(1)], greedy(2), use_tqdm=False)
+    assert made == []
+    llm.generate([prompt(0), prompt(1)], greedy(2), use_tqdm=True)
+    assert "generate: 100%" in capsys.readouterr().err and made  # a shown bar still draws (and locks)
+    assert_no_leak(llm)

@@ -170,7 +170,8 @@ class LLM:
         ids = [seq.seq_id for seq in seqs]
         if use_tqdm is None:
             use_tqdm = len(ids) > 1 and sys.stderr.isatty()
-        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
+        # Made only when shown: even a disabled tqdm takes a multiprocessing lock (a named semaphore).
+        bar = tqdm(total=len(ids), desc="generate", unit="req") if use_tqdm else None
         try:
             self._claimed.update(ids)
             for seq in seqs:
@@ -178,10 +179,12 @@ class LLM:
             while not all(i in self._outputs for i in ids):
                 done = sum(i in self._outputs for i in ids)
                 self._run_step()
-                bar.update(sum(i in self._outputs for i in ids) - done)
+                if bar is not None:
+                    bar.update(sum(i in self._outputs for i in ids) - done)
             return [self._outputs[i] for i in ids]
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             self._release(ids)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
