@@ -4,15 +4,18 @@ An exercise names dotted paths ("labkit.sampling.filter_logits", "torch.Tensor.s
 answer it. While the student's code is being graded each of them is replaced by a tripwire that
 fails the exercise with a message naming it, and so is every other name bound to the same object:
 in the student's namespace (`from labkit.sampling import filter_logits as f`), in every loaded
-labkit module and its classes (labkit re-exports its functions: `labkit.sampling.sampler.apply_top_k`),
-and what a forbidden object wraps (`functools.wraps`'s `__wrapped__`, a partial's `func`) counts as
-the object itself. Everything is restored afterwards. A static look at the definition's source
+labkit module and its classes (labkit re-exports its functions: `labkit.sampling.sampler.apply_top_k`,
+`Sampler.top_k = staticmethod(apply_top_k)`), in what the student's namespace holds a few steps deep
+(the body of a class of its own, `class M(BlockManager): alloc = BlockManager.allocate`; an object's
+attributes; lists, dicts and tuples; the defaults and closures of its functions), and what a forbidden
+object wraps (`functools.wraps`'s `__wrapped__`, a partial's `func`, a staticmethod's function) counts
+as the object itself. Everything is restored afterwards. A static look at the definition's source
 catches the forbidden names even on a path the tests do not exercise.
 
 This is a rule the course states, not a wall. Code running in the student's own process can always
 undo a tripwire: it can reach this module (`labkit_course.grading.forbidden`) and replace
-`Tripwires.armed` with a no-op, patch the agent that arms it, or keep a labkit function in a
-container no scan looks into; and a hand copy of labkit's source passes. `labkit_course.grading.rules`
+`Tripwires.armed` with a no-op, patch the agent that arms it, or keep a labkit function deeper than
+the scan looks (`HOLDER_DEPTH`); and a hand copy of labkit's source passes. `labkit_course.grading.rules`
 fails the notebooks that visibly do such things; what stops a forged *score* is that the score is
 computed elsewhere (see `labkit_course.grading.remote`).
 """
@@ -26,6 +29,13 @@ import textwrap
 from contextlib import contextmanager
 
 from labkit_course.grading.core import ExerciseFailed
+
+HOLDER_DEPTH = 3  # how deep the scan looks into what the student's namespace holds: ns -> class -> list -> item
+HOLDER_WIDTH = 512  # a list, dict or tuple longer than this is data, not a hiding place: not looked into
+# `x.append(...)` in a student's source is a list's far more often than BlockManager's: a forbidden method
+# named like a built-in container's is left to the tripwires alone, which see what the call reaches.
+CONTAINER_METHODS = frozenset(name for kind in (list, dict, set, tuple, str, bytes) for name in dir(kind)
+                              if not name.startswith("_"))
 
 
 class ForbiddenCall(ExerciseFailed):
@@ -86,10 +96,58 @@ class Tripwires:
                 self._captured.append(lambda cell=cell, held=held: setattr(cell, "cell_contents", held))
 
     def _wire_namespace(self, namespace: dict, targets: dict[int, str]) -> None:
+        seen: set[int] = set()
+        home = namespace.get("__name__")  # the module the student's own functions and classes say they are from
         for key, value in list(namespace.items()):
-            if id(value) in targets:
+            try:
+                wired = self._disarmed(value, targets, HOLDER_DEPTH, seen, home)
+            except Exception:  # noqa: BLE001 - an object whose attributes raise hides nothing the rules allow
+                continue
+            if wired is not None:
                 self._aliases.append((namespace, key, value))
-                namespace[key] = self._wire(targets[id(value)])
+                namespace[key] = wired
+
+    def _disarmed(self, value, targets: dict[int, str], depth: int, seen: set[int], home: str | None):
+        """A tripwire to hold instead of `value` if it is (or stands for) a forbidden object, else None.
+        On the way, what the student's own functions (defaults, closures), classes, objects (its own or
+        labkit's), lists and dicts hold is wired in place, and a tuple holding a forbidden object is given
+        back rebuilt. Other libraries' classes and objects are not looked into."""
+        held = _held(value, targets)
+        if held is not None:
+            return self._wire(held)
+        if depth == 0 or id(value) in seen:
+            return None
+        seen.add(id(value))
+        kind = type(value)
+        if kind is tuple and len(value) <= HOLDER_WIDTH:
+            items = [self._disarmed(item, targets, depth - 1, seen, home) for item in value]
+            return None if all(i is None for i in items) else tuple(
+                old if new is None else new for old, new in zip(value, items, strict=True))
+        if kind in (list, dict) and len(value) <= HOLDER_WIDTH:
+            keys = range(len(value)) if kind is list else list(value)
+            self._wire_items(value, keys, targets, depth, seen, home)
+        elif inspect.isfunction(value) and value.__module__ == home:
+            self._wire_captured(value, targets)
+        elif isinstance(value, type) and value.__module__ == home and len(vars(value)) <= HOLDER_WIDTH:
+            self._wire_items(vars(value), list(vars(value)), targets, depth, seen, home, owner=value)
+        elif _looked_into(value, home):
+            self._wire_items(vars(value), list(vars(value)), targets, depth, seen, home)
+        return None
+
+    def _wire_items(self, holder, keys, targets, depth: int, seen: set[int], home: str | None,
+                    owner: type | None = None) -> None:
+        """Wire what `holder` (a list, a dict, an object's `__dict__`, or `owner`'s class body) holds at `keys`."""
+        for key in keys:
+            old = holder[key]
+            new = self._disarmed(old, targets, depth - 1, seen, home)
+            if new is None:
+                continue
+            if owner is not None:  # a class body is a read-only mapping: set the attribute
+                setattr(owner, key, new)
+                self._captured.append(lambda owner=owner, key=key, old=old: setattr(owner, key, old))
+            else:
+                holder[key] = new
+                self._captured.append(lambda holder=holder, key=key, old=old: holder.__setitem__(key, old))
 
     def _wire(self, path: str):
         def tripwire(*args, **kwargs):
@@ -126,14 +184,15 @@ class Tripwires:
                 self._wire_namespace(namespace, targets)
             for klass in classes_of_labkit:
                 for name, value in list(vars(klass).items()):
-                    if id(value) in targets:
+                    held = _held(value, targets)  # a staticmethod too: `Sampler.top_k = staticmethod(apply_top_k)`
+                    if held is not None:
                         self._saved.append((klass, name, True, value))
-                        setattr(klass, name, self._wire(targets[id(value)]))
+                        setattr(klass, name, self._wire(held))
             for namespace in {id(ns): ns for ns in namespaces}.values():
                 self._wire_namespace(namespace, targets)
             for function in functions:
                 self._wire_captured(function, targets)
-                held = next((targets[id(link)] for link in _links(function) if id(link) in targets), None)
+                held = _held(function, targets)
                 if held:  # the student's definition *is* the reference (`f = labkit's f`, or a wrapper of it)
                     self.tripped.append(held)
             yield self
@@ -153,9 +212,23 @@ class Tripwires:
             self._saved.clear()
 
 
+def _held(value, targets: dict[int, str]) -> str | None:
+    """The forbidden path `value` is or stands for (see `_links`), or None."""
+    return next((targets[id(link)] for link in _links(value) if id(link) in targets), None)
+
+
+def _looked_into(value, home: str | None) -> bool:
+    """Whether an object's attributes are scanned: the student's own objects and labkit's (an EngineParts
+    made in the notebook), not another library's (a tensor, a torch module) nor one with many attributes."""
+    attributes = getattr(value, "__dict__", None)
+    module = str(type(value).__module__)
+    return (type(attributes) is dict and len(attributes) <= HOLDER_WIDTH
+            and (module == home or module.partition(".")[0] in ("labkit", "labkit_course")))
+
+
 def _links(value, limit: int = 16):
     """`value` and what it stands for: `functools.wraps`'s `__wrapped__` (an `lru_cache` too), a
-    partial's `func`, a bound method's `__func__`, followed down the chain."""
+    partial's `func`, a bound method's or a staticmethod's `__func__`, followed down the chain."""
     seen = set()
     while value is not None and id(value) not in seen and len(seen) < limit:
         seen.add(id(value))
@@ -218,7 +291,7 @@ def static_violations(source: str, name: str, forbidden: tuple[str, ...]) -> lis
     nodes = [n for d in definitions[-1:] for n in ast.walk(d)]
     found = []
     for node in nodes:
-        if isinstance(node, ast.Attribute):
+        if isinstance(node, ast.Attribute) and node.attr not in CONTAINER_METHODS:
             candidates = [p for p in forbidden if p.rpartition(".")[2] == node.attr]
             found += [_likeliest(_dotted(node), candidates)] if candidates else []
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
