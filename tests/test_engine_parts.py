@@ -144,8 +144,8 @@ def test_parts_give_the_unmodified_engines_tokens(small, parts, params):
 
 
 def test_parts_must_be_callables_in_an_engine_parts(small):
-    with pytest.raises(TypeError, match="engine part `prepare_step` must be callable"):
-        EngineParts(prepare_step=None)
+    with pytest.raises(TypeError, match="engine part `prepare_step` must be callable, or None for labkit's own"):
+        EngineParts(prepare_step="prepare_step")
     with pytest.raises(TypeError, match="components must be an EngineComponents"):
         LLM(small[0], tokenizer=small[1], components=EngineParts())  # its .components() is the hook
     with pytest.raises(TypeError, match="EngineComponents.scheduler must be a class or callable"):

@@ -142,7 +142,8 @@ def _tie_mistake(got: torch.Tensor, logits: torch.Tensor) -> str:
             "greedy still picks one token, the first of them (what torch.argmax returns), with probability 1")
 
 
-@exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k"))
+@exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k",
+                                        "labkit_course.engine_parts.labkit_top_k_filter"))
 def top_k_filter(ns):
     fn = require(ns, "top_k_filter")
     for logits, k, got, expected in _filter_cases(fn, "top_k", (1, 3, 12), seed=2, row=1):
@@ -179,7 +180,8 @@ def _unscattered(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]
             sorted_logits.masked_fill(remove, inf), probs.masked_fill(remove, 0.0), probs.masked_fill(remove, inf))
 
 
-@exercise("06", "top_p_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_p"))
+@exercise("06", "top_p_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_p",
+                                        "labkit_course.engine_parts.labkit_top_p_filter"))
 def top_p_filter(ns):
     fn = require(ns, "top_p_filter")
     for logits, top_p, got, expected in _filter_cases(fn, "top_p", (0.3, 0.7, 0.95), seed=3, row=2):

@@ -12,9 +12,9 @@ _MANAGER = "labkit.cache.block_manager.BlockManager"
 
 
 @exercise("07", "SimpleBlockAllocator", forbidden=(
-    # BlockManager's allocate and append go through take_free_block, deallocate through release_table:
-    # common method names (append) would also trip the runtime's look at the source for `.append`
-    f"{_MANAGER}.take_free_block", f"{_MANAGER}.release_table", f"{_MANAGER}.can_allocate",
+    # labkit's BlockManager does all of it: allocation all or nothing, appending, freeing
+    *(f"{_MANAGER}.{method}" for method in ("allocate", "can_allocate", "append", "can_append", "missing_blocks",
+                                            "truncate", "deallocate", "release_table", "take_free_block")),
     "labkit.cache.block_manager.pop_free_block",
 ))
 def simple_block_allocator(ns):

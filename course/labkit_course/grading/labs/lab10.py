@@ -11,7 +11,7 @@ from labkit_course.grading.records import Active, Request, Running
 
 @exercise("10", "can_append", forbidden=(
     "labkit.cache.block_manager.BlockManager.can_append", "labkit.cache.block_manager.BlockManager.missing_blocks",
-    "labkit_course.grading.labs.lab10.reference_can_append",
+    "labkit_course.grading.labs.lab10.reference_can_append", "labkit_course.engine_parts.labkit_can_append",
 ))
 def can_append(ns):
     fn = require(ns, "can_append")
@@ -118,7 +118,8 @@ def _random_case(rng):
     return running, waiting, rng.randint(len(running) + 1, 48), rng.randint(len(running) + 1, 8), rng.randint(0, 8)
 
 
-@exercise("10", "schedule_step", forbidden=("labkit_course.grading.labs.lab10.reference_schedule_step",))
+@exercise("10", "schedule_step", forbidden=("labkit_course.grading.labs.lab10.reference_schedule_step",
+                                            "labkit_course.engine_parts.labkit_schedule_step"))
 def schedule_step(ns):
     fn = require(ns, "schedule_step")
     rng = random.Random(1010)
@@ -329,6 +330,7 @@ def _random_active(rng):
 
 @exercise("10", "plan_running", forbidden=("labkit.engine.scheduler.Scheduler.schedule",
                                            "labkit.engine.scheduler.Scheduler.chunk_size",
+                                           "labkit.engine.scheduler.Scheduler.capped_prefill",
                                            "labkit_course.grading.labs.lab10.reference_plan_running"))
 def plan_running(ns):
     fn = require(ns, "plan_running")
