@@ -355,6 +355,14 @@ def test_fork_errors_name_the_problem():
     with pytest.raises(ValueError, match="already holds blocks"):
         bm.fork(parent, child)
     bm.check_invariants([parent, child])
+    # a prompt of 12 tokens (2 blocks) with 6 computed: a child whose tokens 6.. differ would write its own
+    # into the second block, still shared, which one copy-on-write copy cannot prevent (a student reviewer's case)
+    half = BlockSequence("half", list(range(12)))
+    bm.allocate(half)
+    half.num_cached_tokens = 6
+    with pytest.raises(ValueError, match="does not start with the tokens of 'half'"):
+        bm.fork(half, BlockSequence("c2", list(range(6)) + [99] * 6))
+    bm.check_invariants([parent, child, half])
 
 
 def test_storage_copy_blocks_copies_every_layer_and_checks_ids():

@@ -270,9 +270,10 @@ class BlockManager:
     def fork(self, parent: SequenceBlocks, child: SequenceBlocks) -> None:
         """Let `child` share every block of `parent` (ref_count += 1 each); no K/V is copied.
 
-        The child must hold the same tokens up to parent.num_cached_tokens; it starts with the
-        parent's block table and cached-token count. Later writes into a shared partial block go
-        through copy-on-write in `append`.
+        The child must start with every token of the parent: the blocks it shares hold (or are about
+        to hold, for a parent forked in the step that computes its prompt) the K/V of those tokens. It
+        starts with the parent's block table and cached-token count. Later writes into a shared partial
+        block go through copy-on-write in `append`, which copies the one block the next token lands in.
         """
         if not parent.block_table:
             raise ValueError(f"sequence {parent.seq_id!r} holds no blocks to fork")
@@ -280,7 +281,7 @@ class BlockManager:
             raise ValueError(f"sequence {child.seq_id!r} already holds blocks; a fork target must hold none")
         if child.seq_id == parent.seq_id:
             raise ValueError(f"a sequence cannot fork into itself (seq_id {parent.seq_id!r})")
-        if list(child.token_ids[:parent.num_cached_tokens]) != list(parent.token_ids[:parent.num_cached_tokens]):
+        if list(child.token_ids[:len(parent.token_ids)]) != list(parent.token_ids):
             raise ValueError(f"sequence {child.seq_id!r} does not start with the tokens of {parent.seq_id!r}")
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1

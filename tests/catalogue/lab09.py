@@ -335,7 +335,7 @@ WRONG = [
     Wrong("allocate_blocks", "calls BlockManager.allocate", labkit_allocate, "`allocate`",
           calls="labkit.cache.block_manager.BlockManager.allocate"),
     Wrong("release_blocks", "releases head first", lambda *a: release(*a, reverse=False),
-          "release the table from its tail"),
+          "release the tail first"),
     Wrong("release_blocks", "frees shared blocks outright", lambda *a: release(*a, shared_aware=False),
           "a shared block was freed"),
     Wrong("release_blocks", "drops every cached prefix", lambda *a: release(*a, keep_cache=False),

@@ -18,7 +18,8 @@ from labkit_course.grading.records import Sample
 
 STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "block_tables")
 _PREPARE = ("labkit.engine.model_runner.ModelRunner.prepare", "labkit.engine.model_runner.ModelRunner.step_inputs",
-            "labkit.engine.model_runner.flatten_step", "labkit_course.engine_parts.labkit_prepare_step")
+            "labkit.engine.model_runner.flatten_step", "labkit.engine.model_runner.padded_block_tables",
+            "labkit.cache.paged_storage.slot_mapping", "labkit_course.engine_parts.labkit_prepare_step")
 
 
 # --- exercise 1: one step's tensors -------------------------------------------------------------
@@ -157,9 +158,11 @@ def prepare_step(ns):
         want = reference_step(seqs, num_new, block_size)
         for key in STEP_KEYS:
             value = got[key]
-            if not isinstance(value, torch.Tensor) or value.is_floating_point():
-                raise ExerciseFailed(f"{key} must be an integer tensor (torch.tensor of ints), got "
-                                     f"{getattr(value, 'dtype', type(value).__name__)}")
+            if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
+                raise ExerciseFailed(f"{key} must be a tensor of 32- or 64-bit integers (torch.tensor of ints is "
+                                     f"int64), got {getattr(value, 'dtype', type(value).__name__)}: fewer bits "
+                                     "overflow, since token ids reach 49,151 and positions and slots grow with "
+                                     "the context")
             if value.shape != want[key].shape or not torch.equal(value.long(), want[key].long()):
                 raise ExerciseFailed(f"{_diagnose_step(key, value.long(), want[key].long(), seqs, num_new, block_size)}"
                                      f" [step: {_where(seqs, num_new, block_size)}]")
@@ -209,7 +212,7 @@ def stop_stream(ns):
     cases = list(STOP_CASES) + [([("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))))
                                   for _ in range(rng.randint(1, 8))],
                                  ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
-                                  for _ in range(rng.randint(1, 2))], rng.random() < 0.5) for _ in range(300)]
+                                  for _ in range(rng.randint(0, 2))], rng.random() < 0.5) for _ in range(300)]
     for pieces, stop, include in cases:
         got = fn(list(pieces), list(stop), include)
         want = reference_stop_stream(pieces, stop, include)
@@ -229,7 +232,8 @@ def _diagnose_stop(got, want, pieces, stop, include) -> str:
         if want[1] is not None and reason is None:
             return f"missed the stop string {want[1]!r}: it can span pieces, search where it could end in the " \
                    f"new text, starting len(stop) - 1 characters back. {where}"
-        return f"stopped on {reason!r}, expected {want[1]!r}: the earliest match in the text wins. {where}"
+        return f"stopped on {reason!r}, expected {want[1]!r}: the earliest match in the text wins (of two that " \
+               f"start at the same place, the one listed first in stop). {where}"
     if want[1] is not None and final == want_final + want[1]:
         return f"kept the stop string although include_stop_str_in_output is False. {where}"
     if want[1] is not None and final + want[1] == want_final:
@@ -524,7 +528,9 @@ PART_NAMES = ("top_k_filter", "top_p_filter", "cached_prefix_blocks", "take_free
 @exercise("11", "CapstoneParts", forbidden=(*(f"labkit_course.engine_parts.labkit_{name}" for name in PART_NAMES),
                                             "labkit.cache.block_manager.find_prefix_hits",
                                             "labkit.cache.block_manager.pop_free_block",
-                                            "labkit.engine.model_runner.flatten_step"))
+                                            "labkit.engine.model_runner.flatten_step",
+                                            "labkit.sampling.filters.apply_top_k",
+                                            "labkit.sampling.filters.apply_top_p"))
 def capstone(ns):
     from labkit_course.engine_parts import EngineParts
     from labkit_course.grading.core import GRADING
@@ -610,7 +616,7 @@ class _Shadow:
     def __init__(self, name: str, part):
         from labkit_course.engine_parts import EngineParts
 
-        self.name, self.part, self.labkit = name, part, getattr(EngineParts(), name)
+        self.name, self.part, self.labkit = name, part, EngineParts().part(name)
         self.mismatch, self.mismatch_at = None, None
 
     def __call__(self, *args):
