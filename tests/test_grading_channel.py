@@ -129,9 +129,10 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
             return "ok"
         return grader
 
-    names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit")
+    names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit", "disguised", "held_by_a_class",
+             "reached_at_run_time")
     for name in names:
-        lab99(name)(launches(name))
+        lab99(name, forbidden=("labkit.attention.triton_kernels.jit_kernels",))(launches(name))
     student = write_notebook(
         tmp_path / "student", "99_triton.ipynb",
         "import os\nos.environ['TRITON_INTERPRET'] = '1'\nimport triton, triton.language as tl",
@@ -148,17 +149,28 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "@triton.jit\ndef through_labkit(src, dst, n, BLOCK: tl.constexpr):\n"
         "    LABKIT_STORE(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
         "@triton.jit\ndef helper_of_mine(src, dst, n, BLOCK: tl.constexpr):\n    through_labkit(src, dst, n, BLOCK)\n"
-        "def calls_labkit():\n    return helper_of_mine")
+        "def calls_labkit():\n    return helper_of_mine",
+        # the red team's ways to the same kernel: its module renamed, kept on a class, looked up as the kernel runs
+        "DISGUISED = triton_kernels.jit_kernels()[0]\nDISGUISED.fn.__module__ = '__main__'\n"
+        "@triton.jit\ndef mine(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    DISGUISED(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
+        "def disguised():\n    return mine",
+        "class Holder:\n    store = triton_kernels.jit_kernels()[0]\n"
+        "@triton.jit\ndef held(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    Holder.store(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
+        "def held_by_a_class():\n    return held",
+        "triton_kernels.tl = tl  # what the interpreter asks of a kernel's module\n"
+        "@triton.jit\ndef looked_up(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    globals()['LABKIT_' + 'STORE'](src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
+        "def reached_at_run_time():\n    return looked_up")
     run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
     got = {o.name: o for o in run.outcomes}
     assert got["copy"].passed, got["copy"].message
     assert "function is not a Triton kernel" in got["not_a_kernel"].message
     assert "Launcher is not a Triton kernel" in got["torch_behind_kernel_interface"].message
-    assert "`store_kv_kernel` is labkit's answer to this exercise" in got["calls_labkit"].message
-
-
-# --- in-process: tripwires, static checks and the codec ------------------------------------------------
-
+    for name in ("calls_labkit", "disguised", "held_by_a_class"):
+        assert "`store_kv_kernel` is labkit's answer to this exercise" in got[name].message, name
+    assert got["reached_at_run_time"].message == "`jit_kernels` is labkit's answer to this exercise: write your own"
 
 
 # --- in-process: tripwires, static checks and the codec ------------------------------------------------

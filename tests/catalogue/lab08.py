@@ -94,6 +94,16 @@ def _softmax_tilewise(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
         tl.store(out_ptr + row + start + cols, e / tl.sum(e, 0), mask=mask)
 
 
+@triton.jit
+def _softmax_one_wide_tile(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    """BLOCK ignored: one tile of 4096 lanes, wider than every row but the longest (the red team's)."""
+    row = tl.program_id(0) * n_cols
+    cols = tl.arange(0, 4096)
+    x = tl.load(x_ptr + row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    tl.store(out_ptr + row + cols, e / tl.sum(e, 0), mask=cols < n_cols)
+
+
 def softmax_rows_torch(x, block=128):
     """The wrapper rewritten in torch, the kernel never written: what the grader must not accept."""
     e = (x - x.amax(-1, keepdim=True)).exp()
@@ -289,6 +299,8 @@ WRONG = [
     Wrong("softmax_kernel", "no max subtracted", softmax_variant(shift=False), "exp overflowed"),
     Wrong("softmax_kernel", "one tile per row, no loop", softmax_variant(one_tile=True), "only the first 128 columns"),
     Wrong("softmax_kernel", "each tile normalized on its own", lambda: _softmax_tilewise, "normalized on its own"),
+    Wrong("softmax_kernel", "one tile as wide as the rows, BLOCK ignored", lambda: _softmax_one_wide_tile,
+          "more than a Triton tile can hold"),
     Wrong("softmax_kernel", "not divided by the sum", softmax_variant(divide=False), "not divided"),
     Wrong("softmax_kernel", "a torch wrapper, no kernel", lambda: softmax_rows_torch, NOT_A_KERNEL),
     Wrong("softmax_kernel", "a KernelInterface whose run() is torch code", TorchSoftmax, NOT_A_KERNEL),

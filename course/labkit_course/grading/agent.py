@@ -8,11 +8,16 @@ of that same request. Everything here runs in the student's process, so it is th
 tamper with: a forged reply is only a forged *answer*, which the trusted side still judges.
 """
 
-from types import CodeType, ModuleType
+import inspect
+from contextlib import contextmanager
+from types import CodeType
 
+from labkit.attention.triton_kernels import jit_kernels as labkit_jit_kernels  # kept from tripwires
 from labkit_course.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
 from labkit_course.grading.core import where_raised
 from labkit_course.grading.forbidden import ForbiddenCall, Tripwires, explain
+
+OWN_KERNELS = "labkit.attention.triton_kernels.jit_kernels"  # what Lab 08's exercises forbid: labkit's kernels
 
 
 class Agent:
@@ -85,7 +90,7 @@ class Agent:
         with wires.armed(self.namespace, getattr(function, "__globals__", {}), functions=(function,)):
             try:
                 if op == "launch":
-                    result = _launch(target, request.get("grid"), args, kwargs)
+                    result = _launch(target, request.get("grid"), args, kwargs, wires)
                 else:
                     result = target(*args, **kwargs) if op == "call" else getattr(target, request["attr"])
             except BaseException as error:  # noqa: BLE001
@@ -98,13 +103,14 @@ class Agent:
         return body
 
 
-def _launch(kernel, grid, args, kwargs) -> None:
+def _launch(kernel, grid, args, kwargs, wires: Tripwires) -> None:
     """`kernel[grid](*args, **kwargs)` for a Triton kernel (the grader's own launch of a student's
     `@triton.jit` function); its outputs come back as the arguments' new contents."""
     check_triton_kernel(kernel)
     if not (type(grid) is list and 1 <= len(grid) <= 3 and all(type(n) is int and 0 < n <= 2**16 for n in grid)):
         raise CodecError(f"a launch grid is 1 to 3 positive ints, not {grid!r}")
-    kernel[tuple(grid)](*args, **kwargs)
+    with _labkit_kernels_refused(kernel, wires):
+        kernel[tuple(grid)](*args, **kwargs)
 
 
 def check_triton_kernel(kernel) -> None:
@@ -127,17 +133,31 @@ def _kernel_types() -> tuple[type, ...]:
 
 
 def _labkit_kernel_used(kernel) -> str | None:
-    """The dotted path of a labkit kernel that `kernel` is or calls: the names its code uses, looked up in
-    its globals, closure and the modules it names, followed through the student's own `@triton.jit` helpers."""
-    types, seen, todo = _kernel_types(), set(), [kernel]
+    """The dotted path of a labkit kernel that `kernel` is or calls (see `_kernels_reached`): one defined in a
+    labkit module, or one of the very kernels labkit's paged attention runs (their code, whatever their
+    `__module__` was made to say)."""
+    own = {id(code): f"labkit.attention.triton_kernels.{k.fn.__name__}"
+           for k in labkit_jit_kernels()[:2] for code in (k.fn, k.fn.__code__)}
+    for jit in _kernels_reached(kernel):
+        if id(jit.fn) in own or id(jit.fn.__code__) in own:
+            return own[id(jit.fn.__code__)]
+        if jit.fn.__module__.split(".")[0] in ("labkit", "labkit_course"):
+            return f"{jit.fn.__module__}.{jit.fn.__name__}"
+    return None
+
+
+def _kernels_reached(kernel) -> list:
+    """`kernel` and the `@triton.jit` functions its code can call: the names it uses, looked up in its globals
+    and closure, in the modules and classes it names, in objects' attributes and in lists, tuples and dicts,
+    followed through each kernel found."""
+    types, seen, todo, reached = _kernel_types(), set(), [kernel], []
     while todo:
         jit = todo.pop()
         fn = jit.fn
         if id(fn) in seen:
             continue
         seen.add(id(fn))
-        if fn.__module__.split(".")[0] in ("labkit", "labkit_course"):
-            return f"{fn.__module__}.{fn.__name__}"
+        reached.append(jit)
         names = _names(fn.__code__)
         scope = dict(fn.__globals__)
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
@@ -145,10 +165,60 @@ def _labkit_kernel_used(kernel) -> str | None:
                 scope[name] = cell.cell_contents
             except ValueError:  # an empty cell
                 pass
-        values = [scope[n] for n in names if n in scope]
-        values += [getattr(module, n, None) for module in values if isinstance(module, ModuleType) for n in names]
-        todo += [value for value in values if type(value) in types]
-    return None
+        for value in (scope[n] for n in names if n in scope):
+            todo += _kernels_in(value, names, types)
+    return reached
+
+
+def _kernels_in(value, names: set[str], types: tuple[type, ...], depth: int = 2) -> list:
+    """The kernels `value` is or holds within `depth` steps: by the code's names in a module, a class or an
+    object (read statically: no property or `__getattr__` of the student's runs), and the items of a short
+    list, tuple or dict."""
+    if type(value) in types:
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, list | tuple | dict):
+        items = list(value.values() if isinstance(value, dict) else value)
+        return [k for item in items[:64] for k in _kernels_in(item, names, types, depth - 1)]
+    found = []
+    for name in names:
+        try:
+            member = inspect.getattr_static(value, name)
+        except Exception:  # noqa: BLE001 - not there, or an object that refuses to be looked at
+            continue
+        found += _kernels_in(getattr(member, "__func__", member), names, types, depth - 1)  # a staticmethod's too
+    return found
+
+
+@contextmanager
+def _labkit_kernels_refused(kernel, wires: Tripwires):
+    """Under Triton's interpreter a kernel is plain Python, which can reach labkit's kernels by routes no look
+    at its code follows (`globals()[...]`). For the launch, each of labkit's kernels raises when called, and
+    the student's kernels are rewritten from their own source: the interpreter keeps each kernel's rewritten
+    function in a cache keyed by its Python function, which the student's code could fill."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if type(kernel) is not InterpretedFunction:
+        yield
+        return
+
+    def refused(*args, **kwargs):
+        wires.tripped.append(OWN_KERNELS)
+        raise ForbiddenCall(explain(OWN_KERNELS))
+
+    cache = InterpretedFunction.rewritten_fn
+    labkit = [k.fn for k in labkit_jit_kernels()[:2]]
+    saved = {fn: cache[fn] for fn in labkit if fn in cache}
+    for jit in _kernels_reached(kernel):
+        cache.pop(jit.fn, None)
+    cache.update(dict.fromkeys(labkit, refused))
+    try:
+        yield
+    finally:
+        for fn in labkit:
+            cache.pop(fn, None)
+        cache.update(saved)
 
 
 def _names(code: CodeType) -> set[str]:

@@ -23,6 +23,7 @@ from labkit_course.grading.codec import Handle
 TOLERANCE = {torch.float32: (1e-5, 2e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 8e-3)}
 NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 OWN_KERNELS = ("labkit.attention.triton_kernels.jit_kernels",)  # labkit's kernels: its answer to these exercises
+TRITON_MAX_TILE = 2**20  # the most elements one Triton tensor (a tile) may hold: triton's TRITON_MAX_TENSOR_NUMEL
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -102,14 +103,16 @@ def _device():
 def _softmax_cases(dev):
     """(x, BLOCK): a narrow batch (fits any tile); a vocabulary-wide one, several tiles and a partial last one,
     with a row of huge logits (exp overflows without the max) and a row of filtered (-inf) logits; rows an exact
-    number of tiles; the wide one again in fp16 and bf16."""
+    number of tiles; the wide one again in fp16 and bf16; a row longer than Triton's largest tile, so that one
+    tile as wide as every other row (BLOCK ignored) does not pass."""
     g = torch.Generator().manual_seed(81)
     narrow = torch.randn(3, 5, generator=g)
     wide = torch.randn(4, 1000, generator=g) * 3
     wide[1] += 2000.0
     wide[2, ::7] = float("-inf")
     exact = torch.randn(2, 256, generator=g) * 2
-    cases = [(narrow, 8), (wide, 128), (exact, 64), (wide.half(), 256), (wide.bfloat16(), 64)]
+    longest = torch.randn(1, TRITON_MAX_TILE + 4099, generator=g)  # no tile, however wide, holds this row
+    cases = [(narrow, 8), (wide, 128), (exact, 64), (wide.half(), 256), (wide.bfloat16(), 64), (longest, 2**16)]
     return [(x.to(dev), block) for x, block in cases]
 
 
@@ -130,11 +133,14 @@ def softmax_kernel(ns):
         raise ExerciseFailed(_softmax_mistake(x, block, out, want))
     if wrong_dtypes:
         raise ExerciseFailed(_precision_failure(wrong_dtypes))
-    return ("rows of one tile, many tiles, a partial tail, in fp32, fp16 and bf16, sum to 1; large and -inf "
-            "logits handled")
+    return ("rows of one tile, many tiles, a partial tail, longer than any tile, in fp32, fp16 and bf16, sum to 1; "
+            "large and -inf logits handled")
 
 
 def _softmax_mistake(x, block, got, want) -> str:
+    if x.shape[1] > TRITON_MAX_TILE:  # the last case: every row that fits one tile was right
+        return (f"right on every row that fits in one tile, wrong on a row of {x.shape[1]} columns, more than a Triton "
+                f"tile can hold ({TRITON_MAX_TILE} elements): loop over each row in tiles of BLOCK columns")
     if x.shape[1] < block and torch.allclose(got, x.softmax(0), atol=1e-6):
         return "normalized over the wrong axis: each row (one token's logits) must sum to 1"
     if x.shape[0] == 4 and not torch.isfinite(got[1]).all() and torch.isfinite(got[[0, 3]]).all():
