@@ -329,7 +329,7 @@ WRONG = [
     Wrong("SimpleBlockAllocator", "free_sequence returns nothing", allocator_with("no_count"),
           "free_sequence returned None"),
     Wrong("SimpleBlockAllocator", "wraps labkit's BlockManager", ManagerAllocator,
-          "`take_free_block`", calls="labkit.cache.block_manager.BlockManager.take_free_block"),
+          "`allocate`", calls="labkit.cache.block_manager.BlockManager.allocate"),
     Wrong("calculate_memory_savings", "imports the grader's reference", lambda **kw: _reference_savings(**kw),
           "`_reference_savings`", calls="labkit_course.grading.labs.lab07._reference_savings"),
     Wrong("calculate_memory_savings", "paged memory not rounded to blocks",

@@ -367,8 +367,8 @@ WRONG = [
           "not the table's last block"),
     Wrong("append_blocks", "counts blocks as n // block_size + 1", lambda *a: append(*a, floor_plus_one=True),
           "adds an empty block whenever n is a multiple"),
-    Wrong("append_blocks", "calls BlockManager.append", labkit_append, "`missing_blocks`",
-          calls="labkit.cache.block_manager.BlockManager.missing_blocks"),
+    Wrong("append_blocks", "calls BlockManager.append", labkit_append, "`append`",
+          calls="labkit.cache.block_manager.BlockManager.append"),
 ]
 
 

@@ -95,7 +95,15 @@ class Tripwires:
                 cell.cell_contents = self._wire(targets[id(held)])
                 self._captured.append(lambda cell=cell, held=held: setattr(cell, "cell_contents", held))
 
+    def _wire_aliases(self, namespace: dict, targets: dict[int, str]) -> None:
+        """A labkit module's names bound to a forbidden object (its re-exports)."""
+        for key, value in list(namespace.items()):
+            if id(value) in targets:
+                self._aliases.append((namespace, key, value))
+                namespace[key] = self._wire(targets[id(value)])
+
     def _wire_namespace(self, namespace: dict, targets: dict[int, str]) -> None:
+        """The student's names, and what they hold (`_disarmed`)."""
         seen: set[int] = set()
         home = namespace.get("__name__")  # the module the student's own functions and classes say they are from
         for key, value in list(namespace.items()):
@@ -181,13 +189,13 @@ class Tripwires:
                 setattr(owner, name, self._wire(path))
             namespaces_of_labkit, classes_of_labkit = _labkit_homes(len(sys.modules))
             for namespace in namespaces_of_labkit:
-                self._wire_namespace(namespace, targets)
+                self._wire_aliases(namespace, targets)
             for klass in classes_of_labkit:
                 for name, value in list(vars(klass).items()):
-                    held = _held(value, targets)  # a staticmethod too: `Sampler.top_k = staticmethod(apply_top_k)`
-                    if held is not None:
+                    inner = value.__func__ if isinstance(value, staticmethod | classmethod) else value
+                    if id(inner) in targets:  # a staticmethod too: `Sampler.top_k = staticmethod(apply_top_k)`
                         self._saved.append((klass, name, True, value))
-                        setattr(klass, name, self._wire(held))
+                        setattr(klass, name, self._wire(targets[id(inner)]))
             for namespace in {id(ns): ns for ns in namespaces}.values():
                 self._wire_namespace(namespace, targets)
             for function in functions:
