@@ -130,7 +130,7 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         return grader
 
     names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit", "disguised", "held_by_a_class",
-             "reached_at_run_time")
+             "reached_at_run_time", "hooked", "launcher_replaced")  # the last one patches triton: it stays last
     for name in names:
         lab99(name, forbidden=("labkit.attention.triton_kernels.jit_kernels",))(launches(name))
     student = write_notebook(
@@ -162,7 +162,13 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "triton_kernels.tl = tl  # what the interpreter asks of a kernel's module\n"
         "@triton.jit\ndef looked_up(src, dst, n, BLOCK: tl.constexpr):\n"
         "    globals()['LABKIT_' + 'STORE'](src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
-        "def reached_at_run_time():\n    return looked_up")
+        "def reached_at_run_time():\n    return looked_up",
+        # the second red team's: an empty kernel whose pre-run hook, or a replaced launcher, copies with torch
+        "@triton.jit\ndef empty(src, dst, n, BLOCK: tl.constexpr):\n    pass\n"
+        "def hooked():\n    empty.add_pre_run_hook(lambda src, dst, n, BLOCK=None: dst.copy_(src))\n    return empty",
+        "def launcher_replaced():\n    from triton.runtime.interpreter import InterpretedFunction\n"
+        "    InterpretedFunction.run = lambda self, src, dst, n, grid, warmup, **kw: dst.copy_(src)\n"
+        "    return copy_kernel")
     run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
     got = {o.name: o for o in run.outcomes}
     assert got["copy"].passed, got["copy"].message
@@ -171,6 +177,8 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
     for name in ("calls_labkit", "disguised", "held_by_a_class"):
         assert "`store_kv_kernel` is labkit's answer to this exercise" in got[name].message, name
     assert got["reached_at_run_time"].message == "`jit_kernels` is labkit's answer to this exercise: write your own"
+    assert "the kernel has pre-run hooks" in got["hooked"].message
+    assert "Triton's InterpretedFunction.run is not Triton's own" in got["launcher_replaced"].message
 
 
 # --- in-process: tripwires, static checks and the codec ------------------------------------------------

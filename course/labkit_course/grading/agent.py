@@ -9,6 +9,7 @@ tamper with: a forged reply is only a forged *answer*, which the trusted side st
 """
 
 import inspect
+import os
 from contextlib import contextmanager
 from types import CodeType
 
@@ -119,9 +120,34 @@ def check_triton_kernel(kernel) -> None:
     kernels as a device function: TypeError or ForbiddenCall, whose message is the student's feedback."""
     if type(kernel) not in _kernel_types():
         raise TypeError(f"a {type(kernel).__name__} is not a Triton kernel: define it with @triton.jit")
+    if getattr(kernel, "pre_run_hooks", None):
+        raise TypeError("the kernel has pre-run hooks (add_pre_run_hook), Python that runs before the grid: "
+                        "a graded kernel is the @triton.jit function alone")
+    replaced = _launch_path_replaced()
+    if replaced:
+        raise TypeError(f"Triton's {replaced} is not Triton's own: the notebook replaced it, so the grader cannot "
+                        "launch your kernel")
     used = _labkit_kernel_used(kernel)
     if used:
         raise ForbiddenCall(explain(used))
+
+
+def _launch_path_replaced() -> str | None:
+    """The first of the functions a launch goes through (kernel[grid](...) to the grid's programs) that is not
+    the one Triton's own files define, if the notebook replaced one: it could run torch instead of the kernel."""
+    import triton
+    from triton.runtime.interpreter import GridExecutor
+
+    home = os.path.dirname(triton.__file__)
+    for owner in (*_kernel_types(), GridExecutor):
+        for name in ("__getitem__", "run", "__call__", "rewrite", "__init__"):
+            if name not in dir(owner):
+                continue
+            code = getattr(getattr(owner, name), "__code__", None)
+            if code is None or not code.co_filename.startswith(home):
+                if not (name == "__init__" and getattr(owner, name) is object.__init__):
+                    return f"{owner.__name__}.{name}"
+    return None
 
 
 def _kernel_types() -> tuple[type, ...]:

@@ -119,7 +119,9 @@ def _random_case(rng):
 
 
 @exercise("10", "schedule_step", forbidden=("labkit_course.grading.labs.lab10.reference_schedule_step",
-                                            "labkit_course.engine_parts.labkit_schedule_step"))
+                                            "labkit_course.engine_parts.labkit_schedule_step",
+                                            "labkit.engine.scheduler.Scheduler.admit_waiting",
+                                            "labkit.engine.scheduler.Scheduler.admit"))
 def schedule_step(ns):
     fn = require(ns, "schedule_step")
     rng = random.Random(1010)
