@@ -115,6 +115,41 @@ def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_muta
     assert run_exercise(get_exercise("99", "peek"), namespace).passed
 
 
+def test_whatever_holds_a_forbidden_function_from_before_grading_holds_a_guard(tmp_path, lab99):
+    """Guards replace the lab's forbidden functions before the notebook's first cell, so the holders the
+    second red team hid them in (an OrderedDict, a weakref, a generator, a class claiming another module)
+    hold a guard that trips; outside a graded call the guard is the function (the notebook's own cells run)."""
+    from labkit_course.grading.session import grade_contained, read_notebook
+
+    def same_as_filter_logits(name):
+        def grader(ns):
+            logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(0))
+            if not torch.equal(require(ns, name)(logits.clone(), 2), filter_logits(logits, top_k=2)):
+                raise ExerciseFailed("wrong")
+            return "ok"
+        return grader
+
+    names = ("ordered", "weak", "generated", "disguised_class", "notebook_time")
+    for name in names:
+        lab99(name, forbidden=("labkit.sampling.filters.apply_top_k",))(same_as_filter_logits(name))
+    student = write_notebook(
+        tmp_path / "student", "99_holders.ipynb",
+        "import collections, weakref, torch\nfrom labkit.sampling.filters import apply_top_k\n"
+        "HELD = collections.OrderedDict(f=apply_top_k)\nWEAK = weakref.ref(apply_top_k)\n"
+        "def forever(f):\n    while True:\n        yield f\nGEN = forever(apply_top_k)\n"
+        "Elsewhere = type('Elsewhere', (), {'__module__': 'torch.nn', 'f': staticmethod(apply_top_k)})\n"
+        "BEFORE = apply_top_k(torch.tensor([[1.0, 3.0, 2.0]]), torch.tensor([1]))  # not graded: labkit's own",
+        "def ordered(logits, k):\n    return HELD['f'](logits, k)",
+        "def weak(logits, k):\n    return WEAK()(logits, k)",
+        "def generated(logits, k):\n    return next(GEN)(logits, k)",
+        "def disguised_class(logits, k):\n    return Elsewhere.f(logits, k)",
+        "def notebook_time(logits, k):\n    return BEFORE if False else HELD['f'](logits, k)")
+    run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
+    assert not run.failed_cells, run.failed_cells
+    for outcome in run.outcomes:
+        assert outcome.message == "`apply_top_k` is labkit's answer to this exercise: write your own", outcome
+
+
 def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp_path, lab99):
     """`kernel[grid](...)` on a proxy runs the launch in the student's process; outputs come back in place."""
     from labkit_course.grading.session import grade_contained, read_notebook

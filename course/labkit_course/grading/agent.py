@@ -13,10 +13,9 @@ import os
 from contextlib import contextmanager
 from types import CodeType
 
-from labkit.attention.triton_kernels import jit_kernels as labkit_jit_kernels  # kept from tripwires
 from labkit_course.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
 from labkit_course.grading.core import where_raised
-from labkit_course.grading.forbidden import ForbiddenCall, Tripwires, explain
+from labkit_course.grading.forbidden import ForbiddenCall, Tripwires, explain, unguarded
 
 OWN_KERNELS = "labkit.attention.triton_kernels.jit_kernels"  # what Lab 08's exercises forbid: labkit's kernels
 
@@ -163,13 +162,18 @@ def _labkit_kernel_used(kernel) -> str | None:
     labkit module, or one of the very kernels labkit's paged attention runs (their code, whatever their
     `__module__` was made to say)."""
     own = {id(code): f"labkit.attention.triton_kernels.{k.fn.__name__}"
-           for k in labkit_jit_kernels()[:2] for code in (k.fn, k.fn.__code__)}
+           for k in _labkit_kernels() for code in (k.fn, k.fn.__code__)}
     for jit in _kernels_reached(kernel):
         if id(jit.fn) in own or id(jit.fn.__code__) in own:
             return own[id(jit.fn.__code__)]
         if jit.fn.__module__.split(".")[0] in ("labkit", "labkit_course"):
             return f"{jit.fn.__module__}.{jit.fn.__name__}"
     return None
+
+
+def _labkit_kernels() -> tuple:
+    """labkit's store and paged-attention kernels (`jit_kernels` itself, not a guard or tripwire standing for it)."""
+    return unguarded(OWN_KERNELS)()[:2]
 
 
 def _kernels_reached(kernel) -> list:
@@ -234,7 +238,7 @@ def _labkit_kernels_refused(kernel, wires: Tripwires):
         raise ForbiddenCall(explain(OWN_KERNELS))
 
     cache = InterpretedFunction.rewritten_fn
-    labkit = [k.fn for k in labkit_jit_kernels()[:2]]
+    labkit = [k.fn for k in _labkit_kernels()]
     saved = {fn: cache[fn] for fn in labkit if fn in cache}
     for jit in _kernels_reached(kernel):
         cache.pop(jit.fn, None)

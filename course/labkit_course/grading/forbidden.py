@@ -42,6 +42,60 @@ class ForbiddenCall(ExerciseFailed):
     """The student's code used what the exercise asks them to write."""
 
 
+_ARMED: list = []  # the Tripwires of the graded call running now, for the guards (`install_guards`)
+_GUARDED: dict[str, object] = {}  # path -> labkit's own object, where a guard now stands for it
+
+
+def unguarded(path: str):
+    """labkit's own object at `path`, even where a guard stands for it (for the grader's agent)."""
+    if path in _GUARDED:
+        return _GUARDED[path]
+    owner, name = resolve(path)
+    saved = [value for tripwires in _ARMED for home, key, _, value in tripwires._saved if (home, key) == (owner, name)]
+    return saved[0] if saved else getattr(owner, name)  # a tripwire stands there while a call is armed
+
+
+def install_guards(paths) -> None:
+    """Before a graded notebook's first cell: each forbidden labkit function, wherever labkit holds it,
+    becomes a guard that calls it, except while a graded call that forbids it runs, when it trips.
+
+    The notebook then never holds labkit's function itself, so no container, weak reference, generator
+    or object it keeps it in hides it from the tripwires. (Paths that do not resolve in the kernel, a
+    grader's own reference, are left out: the sandbox hides the graders.)"""
+    namespaces, classes = _labkit_homes(len(sys.modules))
+    for path in dict.fromkeys(p for p in paths if p.startswith(("labkit.", "labkit_course."))):
+        try:
+            owner, name = resolve(path)
+        except (ValueError, AttributeError):
+            continue
+        original = getattr(owner, name, None)
+        if not callable(original) or isinstance(original, type):
+            continue
+        guard = _guard(path, original)
+        _GUARDED[path] = original
+        setattr(owner, name, guard)
+        for namespace in namespaces:  # labkit's re-exports
+            for key in [key for key, value in namespace.items() if value is original]:
+                namespace[key] = guard
+        for klass in classes:
+            for key, value in list(vars(klass).items()):
+                if (value.__func__ if isinstance(value, staticmethod) else value) is original:
+                    setattr(klass, key, staticmethod(guard) if isinstance(value, staticmethod) else guard)
+
+
+def _guard(path: str, original):
+    """`original`, but tripping while a graded call forbids `path` (it keeps no `__wrapped__` to unwrap)."""
+    def guard(*args, **kwargs):
+        if _ARMED and path in _ARMED[-1].forbidden:
+            _ARMED[-1].tripped.append(path)
+            raise ForbiddenCall(explain(path))
+        return original(*args, **kwargs)
+
+    for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(guard, attribute, getattr(original, attribute, None))
+    return guard
+
+
 def explain(path: str) -> str:
     name = path.rsplit(".", 1)[-1]
     if path.startswith(("labkit.", "labkit_course.")):
@@ -179,6 +233,7 @@ class Tripwires:
                 self._depth -= 1
             return
         self._depth += 1
+        _ARMED.append(self)
         try:
             homes = [(path, *resolve(path)) for path in self.forbidden]
             targets = {}
@@ -206,6 +261,7 @@ class Tripwires:
             yield self
         finally:
             self._depth -= 1
+            _ARMED.remove(self)
             for restore in reversed(self._captured):
                 restore()
             self._captured.clear()

@@ -260,6 +260,7 @@ def grade_contained(nb: nbformat.NotebookNode, lab: str, limits: sandbox.Limits,
 def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun, skip: frozenset[int]) -> list[Outcome]:
     client = kernel.client(nb)
     kernel.start(client)
+    _install_guards(client, lab, kernel.limits)
     deadline = time.monotonic() + kernel.limits.notebook_s  # starting kernels has its own share of the hard limit
     run_cells(kernel, client, nb, run, deadline, skip)
     if run.stopped is not None and not _kernel_answers(client, kernel.limits):
@@ -268,6 +269,7 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun, skip
         replay = nbformat.v4.new_notebook(cells=[c for c in nb.cells[:run.stopped[0] - 1]])
         client = kernel.client(replay)
         kernel.start(client)
+        _install_guards(client, lab, kernel.limits)
         stopped, run.stopped = run.stopped, None
         run_cells(kernel, client, replay, run, deadline, skip)
         if run.stopped is not None:  # what ran in time before did not this time: grade nothing
@@ -287,6 +289,23 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun, skip
     finally:
         link.close()
         link.kc.stop_channels()
+
+
+def _install_guards(client: _CellClient, lab: str, limits: sandbox.Limits) -> None:
+    """Before the notebook's first cell, the lab's forbidden functions become guards in the kernel
+    (labkit_course.grading.forbidden.install_guards), so that nothing the notebook keeps is labkit's own."""
+    paths = sorted({path for ex in exercises(lab) for path in ex.forbidden})
+    kc = _blocking_client(client, limits)
+    try:
+        msg_id = kc.execute(f"import labkit_course.grading.forbidden as _guards\n"
+                            f"_guards.install_guards({paths!r})\ndel _guards", silent=True, store_history=False)
+        reply = kc.get_shell_msg(timeout=limits.cell_s)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = kc.get_shell_msg(timeout=limits.cell_s)
+    finally:
+        kc.stop_channels()
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"the grader's guards could not be installed: {reply['content'].get('evalue', '')}")
 
 
 def _kernel_answers(client: _CellClient, limits: sandbox.Limits) -> bool:
