@@ -212,6 +212,7 @@ def test_ctrl_c_during_a_step_takes_effect_when_the_step_is_done(tiny, monkeypat
 
     llm = engine(tiny)
     take, sent = llm.scheduler._take, []
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a process started in the background
 
     def interrupted(*args, **kwargs):
         if not sent:  # one Ctrl-C, raised at the next bytecode: between the two queues
@@ -223,7 +224,7 @@ def test_ctrl_c_during_a_step_takes_effect_when_the_step_is_done(tiny, monkeypat
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     monkeypatch.undo()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is put back"
+    assert signal.getsignal(signal.SIGINT) is before, "the handler is put back"
     outputs = llm.step()  # the interrupted step finished both requests; their outputs waited
     assert sorted(o.request_id for o in outputs) == ids and not llm.has_unfinished_requests()
     assert [o.outputs[0].token_ids for o in sorted(outputs, key=lambda o: o.request_id)] == \
@@ -245,9 +246,10 @@ def test_a_second_ctrl_c_stops_a_step_that_never_ends(tiny, monkeypatch):
 
     llm.add_request(prompt(0), greedy(1))
     monkeypatch.setattr(llm.runner, "forward", endless)
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         llm.step()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 # --- inputs -----------------------------------------------------------------------------------
