@@ -106,17 +106,18 @@ class Agent:
 def _launch(kernel, grid, args, kwargs, wires: Tripwires) -> None:
     """`kernel[grid](*args, **kwargs)` for a Triton kernel (the grader's own launch of a student's
     `@triton.jit` function); its outputs come back as the arguments' new contents."""
-    check_triton_kernel(kernel)
+    reached = check_triton_kernel(kernel)
     if not (type(grid) is list and 1 <= len(grid) <= 3 and all(type(n) is int and 0 < n <= 2**16 for n in grid)):
         raise CodecError(f"a launch grid is 1 to 3 positive ints, not {grid!r}")
-    with _labkit_kernels_refused(kernel, wires):
+    with _labkit_kernels_refused(kernel, reached, wires):
         kernel[tuple(grid)](*args, **kwargs)
 
 
-def check_triton_kernel(kernel) -> None:
+def check_triton_kernel(kernel) -> list:
     """Refuse what is not a `@triton.jit` function, exactly (anything else with `kernel[grid](...)`, such as
     a subclass of triton's KernelInterface, can run torch code), and a kernel that calls one of labkit's own
-    kernels as a device function: TypeError or ForbiddenCall, whose message is the student's feedback."""
+    kernels as a device function: TypeError or ForbiddenCall, whose message is the student's feedback.
+    Returns the kernels it reaches (`_kernels_reached`)."""
     if type(kernel) not in _kernel_types():
         raise TypeError(f"a {type(kernel).__name__} is not a Triton kernel: define it with @triton.jit")
     if getattr(kernel, "pre_run_hooks", None):
@@ -126,9 +127,11 @@ def check_triton_kernel(kernel) -> None:
     if replaced:
         raise TypeError(f"Triton's {replaced} is not Triton's own: the notebook replaced it, so the grader cannot "
                         "launch your kernel")
-    used = _labkit_kernel_used(kernel)
+    reached = _kernels_reached(kernel)
+    used = _labkit_kernel_used(reached)
     if used:
         raise ForbiddenCall(explain(used))
+    return reached
 
 
 def _launch_path_replaced() -> str | None:
@@ -157,13 +160,13 @@ def _kernel_types() -> tuple[type, ...]:
     return JITFunction, InterpretedFunction
 
 
-def _labkit_kernel_used(kernel) -> str | None:
-    """The dotted path of a labkit kernel that `kernel` is or calls (see `_kernels_reached`): one defined in a
-    labkit module, or one of the very kernels labkit's paged attention runs (their code, whatever their
+def _labkit_kernel_used(reached: list) -> str | None:
+    """The dotted path of a labkit kernel among the `reached` ones (a kernel and what it calls): one defined
+    in a labkit module, or one of the very kernels labkit's paged attention runs (their code, whatever their
     `__module__` was made to say)."""
     own = {id(code): f"labkit.attention.triton_kernels.{k.fn.__name__}"
            for k in _labkit_kernels() for code in (k.fn, k.fn.__code__)}
-    for jit in _kernels_reached(kernel):
+    for jit in reached:
         if id(jit.fn) in own or id(jit.fn.__code__) in own:
             return own[id(jit.fn.__code__)]
         if jit.fn.__module__.split(".")[0] in ("labkit", "labkit_course"):
@@ -222,7 +225,7 @@ def _kernels_in(value, names: set[str], types: tuple[type, ...], depth: int = 2)
 
 
 @contextmanager
-def _labkit_kernels_refused(kernel, wires: Tripwires):
+def _labkit_kernels_refused(kernel, reached: list, wires: Tripwires):
     """Under Triton's interpreter a kernel is plain Python, which can reach labkit's kernels by routes no look
     at its code follows (`globals()[...]`). For the launch, each of labkit's kernels raises when called, and
     the student's kernels are rewritten from their own source: the interpreter keeps each kernel's rewritten
@@ -240,7 +243,7 @@ def _labkit_kernels_refused(kernel, wires: Tripwires):
     cache = InterpretedFunction.rewritten_fn
     labkit = [k.fn for k in _labkit_kernels()]
     saved = {fn: cache[fn] for fn in labkit if fn in cache}
-    for jit in _kernels_reached(kernel):
+    for jit in reached:
         cache.pop(jit.fn, None)
     cache.update(dict.fromkeys(labkit, refused))
     try:

@@ -12,10 +12,14 @@ object wraps (`functools.wraps`'s `__wrapped__`, a partial's `func`, a staticmet
 as the object itself. Everything is restored afterwards. A static look at the definition's source
 catches the forbidden names even on a path the tests do not exercise.
 
+In a graded kernel, `install_guards` runs before the notebook's first cell: each labkit function the
+lab forbids is replaced, wherever labkit holds it, by a guard that trips while a graded call forbids
+it, so the notebook never holds labkit's own function, in whatever holder it keeps it.
+
 This is a rule the course states, not a wall. Code running in the student's own process can always
 undo a tripwire: it can reach this module (`labkit_course.grading.forbidden`) and replace
-`Tripwires.armed` with a no-op, patch the agent that arms it, or keep a labkit function deeper than
-the scan looks (`HOLDER_DEPTH`); and a hand copy of labkit's source passes. `labkit_course.grading.rules`
+`Tripwires.armed` with a no-op, patch the agent that arms it, or keep a forbidden torch function
+deeper than the scan looks (`HOLDER_DEPTH`); and a hand copy of labkit's source passes. `labkit_course.grading.rules`
 fails the notebooks that visibly do such things; what stops a forged *score* is that the score is
 computed elsewhere (see `labkit_course.grading.remote`).
 """
@@ -79,8 +83,8 @@ def install_guards(paths) -> None:
                 namespace[key] = guard
         for klass in classes:
             for key, value in list(vars(klass).items()):
-                if (value.__func__ if isinstance(value, staticmethod) else value) is original:
-                    setattr(klass, key, staticmethod(guard) if isinstance(value, staticmethod) else guard)
+                if _unwrapped(value) is original:
+                    setattr(klass, key, type(value)(guard) if value is not original else guard)
 
 
 def _guard(path: str, original):
@@ -247,10 +251,9 @@ class Tripwires:
                 self._wire_aliases(namespace, targets)
             for klass in classes_of_labkit:
                 for name, value in list(vars(klass).items()):
-                    inner = value.__func__ if isinstance(value, staticmethod | classmethod) else value
-                    if id(inner) in targets:  # a staticmethod too: `Sampler.top_k = staticmethod(apply_top_k)`
+                    if id(_unwrapped(value)) in targets:  # `Sampler.top_k = staticmethod(apply_top_k)` too
                         self._saved.append((klass, name, True, value))
-                        setattr(klass, name, self._wire(targets[id(inner)]))
+                        setattr(klass, name, self._wire(targets[id(_unwrapped(value))]))
             for namespace in {id(ns): ns for ns in namespaces}.values():
                 self._wire_namespace(namespace, targets)
             for function in functions:
@@ -274,6 +277,11 @@ class Tripwires:
                     delattr(owner, name)
             self._aliases.clear()
             self._saved.clear()
+
+
+def _unwrapped(value):
+    """The function a staticmethod or classmethod in a class body holds; anything else as it is."""
+    return value.__func__ if isinstance(value, staticmethod | classmethod) else value
 
 
 def _held(value, targets: dict[int, str]) -> str | None:
