@@ -42,3 +42,15 @@ def describe_device(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return f"cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, sm{props.major}{props.minor}"
     return "cpu"
+
+
+def upload(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` (on the CPU) copied to `device` without waiting for the work queued there.
+
+    A plain `.to("cuda")` of pageable memory waits for the GPU to finish what it is running, so
+    the host could not prepare the next step while the current one runs. From pinned memory the copy
+    is queued like a kernel; torch's pinned-memory cache keeps the buffer until the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.is_cuda:
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

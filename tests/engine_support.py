@@ -1,5 +1,5 @@
-"""Helpers the engine tests share: a tiny model, the leak check every test ends with, and a step loop
-that survives interrupts."""
+"""Helpers the engine tests share: a tiny model, the leak check every test ends with, a step loop
+that survives interrupts, and what raises them."""
 
 import torch
 
@@ -27,6 +27,7 @@ def assert_no_leak(llm):
     assert not llm.has_unfinished_requests()
     assert not llm._requests and not llm._outputs and not llm._claimed
     assert not llm.output_processor._text, "a detokenizer outlived its request"
+    assert llm._overlap is None or llm._overlap.pending is None, "an overlapped step outlived its requests"
     llm.block_manager.check_invariants([])
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "KV blocks leaked"
 
@@ -43,3 +44,23 @@ def step_through_interrupts(llm, max_steps):
         except KeyboardInterrupt:
             pass
     return outputs
+
+
+class Interrupter:
+    """Wraps a callable; every `every`-th call raises KeyboardInterrupt instead of (or, with
+    `after=True`, after) doing its work."""
+
+    def __init__(self, fn, every, after=False):
+        self.fn, self.every, self.after, self.calls, self.fired = fn, every, after, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        fire = self.calls % self.every == 0
+        if fire and not self.after:
+            self.fired += 1
+            raise KeyboardInterrupt
+        result = self.fn(*args, **kwargs)
+        if fire:
+            self.fired += 1
+            raise KeyboardInterrupt
+        return result

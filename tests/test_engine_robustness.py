@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from engine_support import assert_no_leak, step_through_interrupts, tiny_model_and_tokenizer
+from engine_support import Interrupter, assert_no_leak, step_through_interrupts, tiny_model_and_tokenizer
 
 from labkit.engine import LLM, FinishReason
 from labkit.sampling import SamplingParams
@@ -109,26 +109,6 @@ def test_a_failure_of_every_request_is_the_engines_and_is_raised(tiny, monkeypat
 
 
 # --- interrupts -------------------------------------------------------------------------------
-class Interrupter:
-    """Wraps a callable; every `every`-th call raises KeyboardInterrupt instead of (or, with
-    `after=True`, after) doing its work."""
-
-    def __init__(self, fn, every, after=False):
-        self.fn, self.every, self.after, self.calls, self.fired = fn, every, after, 0, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        fire = self.calls % self.every == 0
-        if fire and not self.after:
-            self.fired += 1
-            raise KeyboardInterrupt
-        result = self.fn(*args, **kwargs)
-        if fire:
-            self.fired += 1
-            raise KeyboardInterrupt
-        return result
-
-
 POINTS = {  # where, in one step, the interrupt lands: (object, method, every how many calls)
     "schedule": lambda llm: (llm.scheduler, "schedule", 3),
     "block allocation": lambda llm: (llm.block_manager, "append", 7),
@@ -303,10 +283,12 @@ def test_metrics_keep_aggregates_and_a_bounded_window(tiny):
 
 
 # --- soak -------------------------------------------------------------------------------------
-def test_soak_with_preemption_interrupts_and_aborts_loses_and_leaks_nothing(tiny, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["synchronous", "async-scheduling"])
+def test_soak_with_preemption_interrupts_and_aborts_loses_and_leaks_nothing(tiny, monkeypatch, async_scheduling):
     """A few hundred small requests through a cache that forces preemption, with interrupts landing
-    at random points of steps and random aborts. Every request that was not aborted must give the
-    greedy tokens it gives alone; nothing may be left behind. Bounded in steps (seconds on a CPU)."""
+    at random points of steps and random aborts, with steps synchronous or overlapped. Every request
+    that was not aborted must give the greedy tokens it gives alone; nothing may be left behind.
+    Bounded in steps (seconds on a CPU)."""
     rng = random.Random(12)
     requests = [(prompt(rng.randrange(1000), rng.randint(1, 24)), greedy(rng.randint(1, 12)),
                  rng.choice([0, 0, 0, 1, -1])) for _ in range(300)]
@@ -314,10 +296,15 @@ def test_soak_with_preemption_interrupts_and_aborts_loses_and_leaks_nothing(tiny
     expected = [o.token_ids for o in reference.generate([p for p, _, _ in requests], [sp for _, sp, _ in requests])]
 
     for mode in ("recompute", "swap"):
-        llm = engine(tiny, num_kvcache_blocks=12, max_num_seqs=8, max_num_batched_tokens=24, preemption_mode=mode)
-        for owner, name in [(llm.runner, "forward"), (llm.scheduler, "postprocess"), (llm.output_processor, "append")]:
+        llm = engine(tiny, num_kvcache_blocks=12, max_num_seqs=8, max_num_batched_tokens=24, preemption_mode=mode,
+                     async_scheduling=async_scheduling)
+        wrapped = [(llm.runner, "forward"), (llm.scheduler, "postprocess"), (llm.output_processor, "append")]
+        if async_scheduling:
+            wrapped.append((llm._overlap, "run"))  # counts the overlapped steps too
+        for owner, name in wrapped:
             monkeypatch.setattr(owner, name, Interrupter(getattr(owner, name), every=rng.randint(7, 13),
                                                          after=rng.random() < 0.5))
+        overlapped = llm._overlap.run if async_scheduling else None
         pending, ids, outputs, aborted, steps = list(enumerate(requests)), {}, {}, set(), 0
         while pending or llm.has_unfinished_requests():
             steps += 1
@@ -335,6 +322,7 @@ def test_soak_with_preemption_interrupts_and_aborts_loses_and_leaks_nothing(tiny
             except KeyboardInterrupt:
                 pass
         monkeypatch.undo()
+        assert overlapped is None or overlapped.calls > 0, "the steps did not overlap"
         assert set(outputs) | aborted == set(ids)
         assert llm.metrics.num_preemptions + llm.metrics.num_swaps > 0
         for request_id, out in outputs.items():

@@ -6,6 +6,7 @@
     LLM("smollm2", dtype=torch.bfloat16)      # bf16 weights and K/V (fp32 is the CPU default)
     LLM("smollm2", weight_format="q4_1")      # the GGUF's own 4-bit weights (or "int8"), bf16 activations
     LLM("smollm2", speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))  # see speculative.py
+    LLM("smollm2", async_scheduling=True)     # schedule step n+1 while step n runs: see overlap.py
 
 A setting that cannot work is refused when the config is made, by a message naming its field; the
 settings that depend on the model (max_model_len's default, and whether it fits the model's
@@ -53,6 +54,7 @@ class EngineConfig:
     weight_format: str = "dequantized"  # or "int8", "q4_1": labkit/model/weight_formats.py
     attention_backend: str = "auto"  # "torch", "triton" or "auto" (triton on CUDA)
     use_cuda_graph: bool = True  # capture the decode steps on CUDA (with the triton backend)
+    async_scheduling: bool = False  # launch a decode step before the last one's tokens reach the host: overlap.py
     speculative: SpeculativeConfig | None = None  # speculative decoding: labkit/engine/speculative.py
     components: EngineComponents = dataclasses.field(default_factory=EngineComponents)  # components.py; None: ours
 
@@ -63,7 +65,7 @@ class EngineConfig:
         for name in ("num_kvcache_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name), " or None")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_cuda_graph"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_cuda_graph", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         utilization = self.gpu_memory_utilization
@@ -81,6 +83,9 @@ class EngineConfig:
             raise TypeError(f"components must be an EngineComponents (labkit.engine.components), "
                             f"got {type(self.components).__name__}")
         self._check_speculative()
+        if self.async_scheduling and (self.speculative is not None or self.components != EngineComponents()):
+            raise ValueError("async_scheduling runs labkit's own block manager, scheduler and model runner, "
+                             "without speculative decoding: pass async_scheduling=True alone")
         self._scheduler_config(self.max_model_len or DEFAULT_MAX_MODEL_LEN)  # the scheduler's own checks
 
     def _check_speculative(self) -> None:

@@ -9,7 +9,9 @@
 The keywords are an `EngineConfig`'s fields (config.py); builder.py builds the engine from it.
 Each `step()` is the nano-vLLM walk-through's engine loop: the scheduler picks the batch, the model
 runner runs one forward pass, the engine samples (draws.py, forking a request's n samples: samples.py),
-appends the tokens with their stop decision (output_processor.py) and releases what finished.
+appends the tokens with their stop decision (output_processor.py) and releases what finished. With
+`async_scheduling=True`, a plain decode step is launched before the last one's tokens are appended
+(overlap.py), so the host's work hides behind the GPU's.
 """
 
 import itertools
@@ -28,6 +30,7 @@ from labkit.engine.interrupts import deferred_interrupts
 from labkit.engine.metrics import EngineMetrics
 from labkit.engine.output_processor import OutputProcessor
 from labkit.engine.outputs import BeamSearchOutput, RequestOutput
+from labkit.engine.overlap import OverlappedSteps, unfinished
 from labkit.engine.sequence import Sequence
 from labkit.sampling import BeamSearchParams, SamplingParams
 
@@ -49,6 +52,8 @@ class LLM:
         self._claimed: set[int] = set()  # requests a running generate() or stream() collects itself
         self._ids = itertools.count()
         self._drawer = StepDrawer(self.runner, self.output_processor, self.scheduler, self.eos_token_id, self._ids)
+        self._overlap = OverlappedSteps(self.scheduler, self.runner, self.output_processor, self.eos_token_id) \
+            if self.config.async_scheduling else None
 
     # --- requests ----------------------------------------------------------------------------
     def _make_sequence(self, prompt, params: SamplingParams, priority: int) -> Sequence:
@@ -73,6 +78,7 @@ class LLM:
     def abort(self, request_id: int) -> None:
         """Cancel a request: its blocks return to the pool and it finishes with reason ABORTED. As in
         vLLM, `step()` returns no output for it: whoever aborts it knows."""
+        self._resolve_pending()
         seq = self._unfinished(request_id)
         for sample in seq.group:
             self.scheduler.abort(sample)
@@ -87,6 +93,7 @@ class LLM:
 
     def request_output(self, request_id: int) -> RequestOutput:
         """Where an unfinished request stands now (its text so far): what a streaming server sends on."""
+        self._resolve_pending()
         return self.output_processor.output(self._unfinished(request_id))
 
     def _unfinished(self, request_id: int) -> Sequence:
@@ -115,19 +122,23 @@ class LLM:
         its step can simply run again, so the sampled tokens are appended one sequence at a time, each
         append (and each fork of a new sample) all or nothing, and whatever finished but was not
         released or collected yet is picked up by the next step. A new sample adopted before the
-        interrupt recomputes its share of the step itself; the ones not yet adopted are forked again."""
+        interrupt recomputes its share of the step itself; the ones not yet adopted are forked again. An
+        overlapped step keeps the same rule: its placeholders are resolved once, whenever that happens."""
         start = time.perf_counter()
-        out = self.scheduler.schedule()  # also releases what an interrupted step left finished
+        overlapped = self._overlap is not None and self._overlap.can_overlap()
+        if not overlapped:
+            self._resolve_pending()
+        out = self.scheduler.schedule()  # also releases what an interrupted step (or a resolve) left finished
         if not out.is_empty:
             num_batched_tokens = out.num_batched_tokens  # before forked samples join `out`
-            if self.speculative is None:
-                draws = self._drawer.draw_isolated(out)
-                now = time.perf_counter()
-                for draw in draws:
-                    if draw.forked_from is not None:
-                        samples.adopt(self.scheduler, draw.forked_from, draw.seq, out)
-                    self.output_processor.append(draw.seq, draw.token, now, draw.logprobs)
-                num_sampled = len(draws)
+            if overlapped:  # launched before the last step's tokens are appended (overlap.py)
+                num_sampled = self._overlap.run(out)
+                if num_sampled is None:  # its launch failed: a synchronous step finds whose fault it was
+                    self._resolve_pending()
+                    out = unfinished(out)
+                    num_sampled = self._draw_and_append(out)
+            elif self.speculative is None:
+                num_sampled = self._draw_and_append(out)
             else:
                 now = time.perf_counter()  # a speculative step is not isolated per request: its failure is ours
                 num_sampled = sum(self.output_processor.append_all(seq, tokens, now)
@@ -137,6 +148,22 @@ class LLM:
                                      self.block_manager, self.speculative)
         for seq in [s for s in self._requests.values() if s.group_finished]:
             self._finalize(seq)
+
+    def _draw_and_append(self, out) -> int:
+        """Run `out` and append each sampled token (adopting the samples a request forks); returns how many."""
+        draws = self._drawer.draw_isolated(out) if out.seqs else []
+        now = time.perf_counter()
+        for draw in draws:
+            if draw.forked_from is not None:
+                samples.adopt(self.scheduler, draw.forked_from, draw.seq, out)
+            self.output_processor.append(draw.seq, draw.token, now, draw.logprobs)
+        return len(draws)
+
+    def _resolve_pending(self) -> None:
+        """Append the tokens of the overlapped step in flight, if any: before a step that does not
+        overlap, and before a caller reads a request's tokens."""
+        if self._overlap is not None:
+            self.metrics.num_generated_tokens += self._overlap.resolve()
 
     def _finalize(self, seq: Sequence) -> None:
         """Keep the output of a finished request (`seq` is its sample 0) for its owner; forget the request."""
@@ -209,6 +236,7 @@ class LLM:
         try:
             while not seq.is_finished:
                 self._run_step()
+                self._resolve_pending()
                 ready = 0 if seq.is_finished else len(self.output_processor.catch_up(seq)) - hold
                 if ready > sent:  # (a finished request's text is its output's, below)
                     yield seq.text[sent:ready]

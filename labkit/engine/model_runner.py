@@ -28,6 +28,7 @@ import torch
 from labkit.attention.metadata import AttentionMetadata
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.cache.sequence_blocks import SequenceBlocks
+from labkit.device import upload
 from labkit.engine.fast_path import FastPath
 from labkit.engine.sequence import Sequence
 from labkit.model.layers import fused_elementwise
@@ -96,6 +97,13 @@ def flatten_step(seqs: list[SequenceBlocks], num_new_tokens: list[int], block_si
     return StepTensors(torch.tensor(input_ids, dtype=torch.int64), positions, cu_q, cu_k, slot_mapping, block_tables)
 
 
+def fill_placeholders(input_ids: torch.Tensor, pending_tokens: torch.Tensor) -> torch.Tensor:
+    """`input_ids` with each placeholder (-1 - row, overlap.py) replaced, on the device, by row `row`
+    of `pending_tokens`."""
+    rows = (-1 - input_ids).clamp(min=0, max=pending_tokens.numel() - 1)
+    return torch.where(input_ids < 0, pending_tokens[rows], input_ids)
+
+
 class StepInputs:
     """The tensors of one step, plus which rows of the flat batch get logits."""
 
@@ -139,20 +147,25 @@ class ModelRunner:
                                        dtype=torch.int64)
         dev = self.device
         meta = AttentionMetadata(
-            cu_seqlens_q=cu_seqlens_q.to(dev), cu_seqlens_k=cu_seqlens_k.to(dev),
+            cu_seqlens_q=upload(cu_seqlens_q, dev), cu_seqlens_k=upload(cu_seqlens_k, dev),
             max_seqlen_q=int(cu_seqlens_q.diff().max()), max_seqlen_k=max(ends),
-            slot_mapping=slot_mapping.to(dev), block_tables=block_tables.to(dev),
+            slot_mapping=upload(slot_mapping, dev), block_tables=upload(block_tables, dev),
         )
-        return StepInputs(input_ids.to(dev), positions.to(dev), meta, sample_rows.to(dev), sampled_seqs)
+        return StepInputs(upload(input_ids, dev), upload(positions, dev), meta, upload(sample_rows, dev), sampled_seqs)
 
     @torch.inference_mode()
     @fused_elementwise()
     def forward(self, seqs: list[Sequence], num_new_tokens: list[int],
-                num_scored: list[int] | None = None) -> ForwardOutput:
+                num_scored: list[int] | None = None, pending_tokens: torch.Tensor | None = None) -> ForwardOutput:
         """One forward step: fp32 logits of the sequences due a next token (`num_scored` rows each,
         see `prepare`), and any prompt logits asked for. On a GPU in half precision the model's
-        element-wise chains run fused (labkit.model.layers.fused_elementwise)."""
+        element-wise chains run fused (labkit.model.layers.fused_elementwise).
+
+        `pending_tokens`: the tokens, still on the device, of the step in flight, which the sequences'
+        placeholder tokens stand for (overlap.py)."""
         step = self.prepare(seqs, num_new_tokens, num_scored)
+        if pending_tokens is not None:
+            step.input_ids = fill_placeholders(step.input_ids, pending_tokens)
         fast = self.fast_path
         if (fast is not None and step.meta.max_seqlen_q == 1 and len(step.sampled_seqs) == len(seqs)
                 and fast.fits(len(seqs), step.meta.block_tables.shape[1])
@@ -186,8 +199,13 @@ class ModelRunner:
 
         `eos_token_id` is what min_tokens masks until enough tokens were generated.
         """
+        return self.sample_on_device(logits, seqs, eos_token_id).tolist()
+
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
+                         eos_token_id: int | None = None) -> torch.Tensor:
+        """`sample`'s tokens as a tensor on the logits' device, without waiting for them."""
         if all(seq.params.greedy and not seq.params.changes_logits for seq in seqs):
-            return greedy_tokens(logits).tolist()
+            return greedy_tokens(logits)
         # Only a penalty reads the prompts (changes_logits covers every penalty): copying 256 prompts' ids out
         # of their sequences each step costs more than the rest of the sampler's host work.
         penalized = any(seq.params.changes_logits for seq in seqs)
@@ -195,4 +213,4 @@ class ModelRunner:
                                                   [seq.prompt_token_ids if penalized else () for seq in seqs],
                                                   [seq.output_token_ids for seq in seqs], device=logits.device,
                                                   eos_token_id=eos_token_id, vocab_size=logits.shape[-1])
-        return self.sampler(logits, metadata).tolist()
+        return self.sampler(logits, metadata)

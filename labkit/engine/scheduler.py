@@ -148,6 +148,12 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
 
+    def release_finished(self) -> None:
+        """Release the running sequences that finished outside `postprocess`: a step interrupted before
+        it, or a token appended a step late (overlap.py). Scheduled again, they would get a token past their end."""
+        for seq in [s for s in self.running if s.is_finished]:
+            self.abort(seq)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -157,10 +163,7 @@ class Scheduler:
         """One step's plan: the running sequences first (preempting where the blocks run out), then the
         swapped ones back, then waiting requests (`admit_waiting`), within the step's token budget."""
         self.num_steps += 1
-        # A step interrupted before its postprocess may have left finished sequences here: release
-        # them now, or they would be scheduled again and get a token past their end.
-        for seq in [s for s in self.running if s.is_finished]:
-            self.abort(seq)
+        self.release_finished()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager

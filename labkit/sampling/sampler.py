@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.device import upload
 from labkit.sampling import triton_draw
 from labkit.sampling.filters import NEG_INF, apply_min_p, apply_temperature, apply_top_k, apply_top_p
 from labkit.sampling.params import SamplingParams
@@ -154,9 +155,9 @@ class SamplingMetadata:
                 f"params, prompt_token_ids and output_token_ids need one entry per row, got "
                 f"{len(params)}, {len(prompt_token_ids)} and {len(output_token_ids)}"
             )
-        # Built on the CPU, then sent without waiting: a blocking copy to a GPU would first wait for the
-        # forward pass still running there, and the host work below would not overlap it.
-        to_device = lambda t: None if t is None else t.to(device, non_blocking=True)
+        # Built on the CPU, then sent without waiting (labkit.device.upload): a blocking copy to a GPU would
+        # first wait for the forward pass still running there, and the host work below would not overlap it.
+        to_device = lambda t: None if t is None else upload(t, device)
         column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype)
         random_seeds = torch.randint(0, 2**62, (len(params),)).tolist()
         seeds = [p.seed if p.seed is not None else fresh for p, fresh in zip(params, random_seeds, strict=True)]
