@@ -99,48 +99,56 @@ class StepTimer:
 
     `forward` launches the model (asynchronous on a GPU); `gpu wait` is the synchronize before
     sampling, i.e. the time the host had nothing to do but wait for the GPU; `sample` is the rest of
-    sampling (its kernels and the copy of the tokens to the host). What `generate` spends outside these
-    calls (appending tokens, stop checks, outputs) is `other`.
+    sampling (its kernels and the copy of the tokens to the host). With async scheduling a decode step
+    only launches its sampling, and `resolve` waits for the tokens of the step before and appends them.
+    A call inside another wrapped call counts for its own phase only. What `generate` spends outside
+    these calls (appending tokens, stop checks, outputs) is `other`.
     """
 
     def __init__(self, llm: LLM):
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps: list[tuple[list[int], list[int], int]] = []  # (new tokens, context lengths, rows sampled)
-        self.sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
-        self._wrap(llm.scheduler, "schedule", "schedule")
-        self._wrap(llm.scheduler, "postprocess", "postprocess")
-        forward, sample = llm.runner.forward, llm.runner.sample
+        self._inner: list[float] = []  # per wrapped call in progress: the time its wrapped callees took
+        sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+        runner = llm.runner
+        self._wrap(llm.scheduler, "schedule", "schedule")  # phases are reported in the order they are wrapped
+        forward = self._timed("forward (launch)", runner.forward)
+        wait, sample = self._timed("gpu wait", sync), self._timed("sample", runner.sample)
 
-        def timed_forward(seqs, num_new_tokens, num_scored=None):
+        def recorded_forward(seqs, num_new_tokens, num_scored=None, **kwargs):
             contexts = [seq.num_cached_tokens + n for seq, n in zip(seqs, num_new_tokens, strict=True)]
-            start = time.perf_counter()
-            out = forward(seqs, num_new_tokens, num_scored)
-            self.seconds["forward (launch)"] += time.perf_counter() - start
+            out = forward(seqs, num_new_tokens, num_scored, **kwargs)
             self.steps.append((list(num_new_tokens), contexts, len(out.sampled_seqs)))
             return out
 
-        def timed_sample(*args, **kwargs):
-            start = time.perf_counter()
-            self.sync()
-            waited = time.perf_counter()
-            tokens = sample(*args, **kwargs)
-            self.seconds["gpu wait"] += waited - start
-            self.seconds["sample"] += time.perf_counter() - waited
-            return tokens
+        def waited_sample(*args, **kwargs):
+            wait()
+            return sample(*args, **kwargs)
 
-        llm.runner.forward, llm.runner.sample = timed_forward, timed_sample
+        runner.forward, runner.sample = recorded_forward, waited_sample
+        if llm._overlap is not None:  # overlapped steps sample without waiting, and wait when they resolve
+            self._wrap(runner, "sample_on_device", "sample (launch)")
+            self._wrap(llm._overlap, "resolve", "resolve (gpu wait, append)")
+        self._wrap(llm.scheduler, "postprocess", "postprocess")
 
-    def _wrap(self, obj, name: str, label: str) -> None:
-        method = getattr(obj, name)
+    def _timed(self, label: str, fn):
+        self.seconds[label] = 0.0
 
-        def wrapped(*args, **kwargs):
+        def timed(*args, **kwargs):
+            self._inner.append(0.0)
             start = time.perf_counter()
             try:
-                return method(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
-                self.seconds[label] += time.perf_counter() - start
+                total = time.perf_counter() - start
+                self.seconds[label] += total - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += total
 
-        setattr(obj, name, wrapped)
+        return timed
+
+    def _wrap(self, obj, name: str, label: str) -> None:
+        setattr(obj, name, self._timed(label, getattr(obj, name)))
 
     def breakdown(self, wall: float) -> str:
         parts = dict(self.seconds)
@@ -161,19 +169,20 @@ class EngineRun:
     breakdown: str
     preemptions: int
     fast_path: str
+    async_scheduling: bool
 
 
-def run_labkit(model, workload: Workload, prompts, params, use_cuda_graph: bool) -> EngineRun:
+def run_labkit(model, workload: Workload, prompts, params, use_cuda_graph: bool, async_scheduling: bool) -> EngineRun:
     """One timed `generate` after nano-vLLM's warm-up; the engine (and its KV cache) is gone on return."""
     llm = LLM(model, tokenizer=placeholder_tokenizer(model.config.vocab_size), max_model_len=workload.max_model_len,
               max_num_seqs=workload.max_num_seqs, max_num_batched_tokens=workload.max_num_batched_tokens,
-              use_cuda_graph=use_cuda_graph)
+              use_cuda_graph=use_cuda_graph, async_scheduling=async_scheduling)
     llm.generate(["Benchmark: "], SamplingParams())
     timer = StepTimer(llm)
     outputs = []
     seconds = timed(lambda: outputs.extend(llm.generate(prompts, params)), llm.device)
     return EngineRun(seconds, sum(len(o.token_ids) for o in outputs), timer.steps, timer.breakdown(seconds),
-                     llm.metrics.num_preemptions, type(llm.runner.fast_path).__name__)
+                     llm.metrics.num_preemptions, type(llm.runner.fast_path).__name__, async_scheduling)
 
 
 def free_gpu_memory() -> None:
@@ -272,6 +281,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-fusion", action="store_true",
                         help="run the element-wise chains op by op (labkit.model.layers.fused_on_gpu), to measure "
                              "what fusing them buys")
+    parser.add_argument("--async-scheduling", choices=("off", "on", "both"), default="both",
+                        help="run labkit with synchronous steps, overlapped ones (labkit/engine/overlap.py), or both")
     parser.add_argument("--profile", action="store_true", help="add torch.profiler's top kernels over a short run")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu", help="folder for the report")
     args = parser.parse_args(argv)
@@ -315,18 +326,26 @@ def main(argv=None) -> int:
     for name in names:
         config = tiny(MODELS[name]) if args.tiny else MODELS[name]
         model = random_model(config, seed=0, device=device, dtype=dtype)
-        run = run_labkit(model, workload, prompts, params, not args.no_cuda_graph)
-        free_gpu_memory()
-        if run.tokens != requested:
-            raise AssertionError(f"labkit generated {run.tokens} tokens, {requested} requested (ignore_eos)")
+        report.add("", f"## {name}{' (tiny)' if args.tiny else ''}, random weights (seed 0)", "")
+        runs = []
+        for overlapped in {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]:
+            run = run_labkit(model, workload, prompts, params, not args.no_cuda_graph, overlapped)
+            free_gpu_memory()
+            if run.tokens != requested:
+                raise AssertionError(f"labkit generated {run.tokens} tokens, {requested} requested (ignore_eos)")
+            report.add(f"- labkit, {'async scheduling' if overlapped else 'synchronous steps'}: {run.seconds:.2f} s, "
+                       f"**{requested / run.seconds:.0f} output tok/s** ({len(run.steps)} steps, {run.preemptions} "
+                       f"preemptions; fast path: {run.fast_path})",
+                       f"- where its wall time went: {run.breakdown}")
+            runs.append(run)
+        if len(runs) == 2:
+            report.add(f"- async scheduling / synchronous steps: {runs[0].seconds / runs[1].seconds:.2f}x")
+        run = min(runs, key=lambda r: r.seconds)
         rate = requested / run.seconds
-        report.add("", f"## {name}{' (tiny)' if args.tiny else ''}, random weights (seed 0)", "",
-                   f"- labkit: {run.seconds:.2f} s, **{rate:.0f} output tok/s** ({len(run.steps)} steps, "
-                   f"{run.preemptions} preemptions; fast path: {run.fast_path})",
-                   f"- where labkit's wall time went: {run.breakdown}")
         moved, work = roofline(config, run.steps, dtype.itemsize)
         if device.type == "cuda":
-            report.add(f"- roofline: the steps must move {moved / 1e9:.0f} GB and do {work / 1e12:.0f} TFLOP: "
+            report.add(f"- roofline of the faster run: the steps must move {moved / 1e9:.0f} GB and do "
+                       f"{work / 1e12:.0f} TFLOP: "
                        f"{moved / run.seconds / bandwidth:.0%} of the copy bandwidth, "
                        f"{work / run.seconds / flops:.0%} of the matmul peak, over the whole run")
         if args.profile:
@@ -344,7 +363,8 @@ def main(argv=None) -> int:
                        + (f", outputs cut to {args.hf_max_tokens} tokens (its cost per token grows with the "
                           "context, so the cut flatters it)" if args.hf_max_tokens else "")
                        + f": {hf_seconds:.2f} s for {longest} steps, {hf_rate:.0f} output tok/s",
-                       f"- **throughput ratio labkit/transformers: {rate / hf_rate:.1f}**")
+                       f"- **throughput ratio labkit/transformers: {rate / hf_rate:.1f}** (labkit's faster run: "
+                       f"{'async scheduling' if run.async_scheduling else 'synchronous steps'})")
             del hf
             free_gpu_memory()
         del model

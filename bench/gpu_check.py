@@ -5,7 +5,8 @@
 
 Sections: the environment; the Triton kernels against the torch reference (fp32/fp16/bf16, several
 shapes, and the sampler's draw; compiled on CUDA, the interpreter on a CPU); engine greedy parity
-with transformers, with and without CUDA graphs; the fp16 path a Colab T4 takes, forced; every
+with transformers, with and without CUDA graphs; async scheduling against synchronous steps (the
+same tokens, and both speeds); the fp16 path a Colab T4 takes, forced; every
 solution notebook under nbval (`--no-notebooks` skips them); speed (engine vs transformers'
 batched `generate` in bf16, fp16 and fp32, and Lab 08's decode bandwidth against the device's peak).
 A failing section does not stop the others; the exit status is 1 if any failed. It uses the torch
@@ -229,6 +230,48 @@ def parity(section: Section, device, source: str, use_cuda_graph: bool, quick: b
                             f"{'identical' if same else f'labkit {out.token_ids} vs transformers {expected.tolist()}'}")
 
 
+def async_parity(section: Section, device, quick: bool) -> None:
+    """Async scheduling (labkit/engine/overlap.py) against synchronous steps on the same engine settings:
+    the same tokens for greedy and seeded requests with stop tokens, and each one's time."""
+    import random
+
+    import torch
+
+    from labkit.engine import LLM
+    from labkit.model.random_weights import SMOLLM2_135M, random_model
+    from labkit.sampling import SamplingParams
+    from labkit.timing import measure
+    from labkit.tokenizer import placeholder_tokenizer
+
+    dtype = torch.float32 if quick else torch.bfloat16
+    config = dataclasses.replace(SMOLLM2_135M, num_layers=2) if quick else SMOLLM2_135M
+    model = random_model(config, seed=0, device=device, dtype=dtype)
+    rng = random.Random(0)
+    count = 12 if quick else 96
+    prompts = [[rng.randrange(100, 10000) for _ in range(rng.randint(8, 200))] for _ in range(count)]
+    params = [SamplingParams(temperature=0 if i % 3 == 0 else 0.7, top_p=0.95 if i % 4 == 1 else 1.0, seed=i,
+                             max_tokens=rng.randint(4, 24 if quick else 256), ignore_eos=i % 2 == 0,
+                             stop_token_ids=[] if i % 5 else [rng.randrange(100, 1000)]) for i in range(count)]
+    results = {}
+    for overlapped in (False, True):
+        llm = LLM(model, tokenizer=placeholder_tokenizer(config.vocab_size), max_num_seqs=64,
+                  max_num_batched_tokens=2048, max_model_len=512, async_scheduling=overlapped)
+        llm.generate(prompts[:2], params[:2])  # warm-up: compiles the kernels
+        outputs = []
+        seconds = measure(lambda llm=llm, outputs=outputs: outputs.extend(llm.generate(prompts, params)),
+                          1, 0, device).median
+        results[overlapped] = ([o.token_ids for o in outputs], seconds, type(llm.runner.fast_path).__name__)
+        del llm
+        free_memory()
+    (sync_tokens, sync_seconds, fast_path), (async_tokens, async_seconds, _) = results[False], results[True]
+    tokens = sum(map(len, sync_tokens))
+    section.lines.append(f"- {count} requests (greedy and seeded, a stop token in every fifth), {dtype}, fast path "
+                         f"{fast_path}: synchronous steps {tokens / sync_seconds:.0f} output tok/s, async "
+                         f"scheduling {tokens / async_seconds:.0f} ({sync_seconds / async_seconds:.2f}x)")
+    same = sum(a == b for a, b in zip(sync_tokens, async_tokens, strict=True))
+    section.check(same == count, f"{same}/{count} requests drew the same tokens with async scheduling")
+
+
 def fp16_parity(section: Section, device, source: str) -> None:
     """The path a Colab T4 (sm75, no bf16) takes, forced here: the engine in fp16 with CUDA graphs.
 
@@ -440,6 +483,9 @@ def main(argv=None) -> int:
     quick = not has_cuda
     sections.append(run_section("Engine greedy parity with transformers, eager (fp32)" + (", 2-layer model" * quick),
                                 parity, device, source, False, quick))
+    sections.append(run_section("Async scheduling vs synchronous steps" + (" (2-layer model, fp32)" if quick else
+                                                                          " (bf16, CUDA graphs)"),
+                                async_parity, device, quick))
     if has_cuda:
         sections += [run_section("Engine greedy parity with transformers, CUDA graphs (fp32)",
                                  parity, device, source, True, False),

@@ -33,8 +33,9 @@ def test_tiny_run_reports_both_models(tmp_path, capsys):
     text = capsys.readouterr().out
     for name in ("qwen3-0.6b (tiny)", "smollm2-135m (tiny)"):
         assert f"## {name}, random weights (seed 0)" in text
-    assert text.count("output tok/s") == 4 and text.count("throughput ratio labkit/transformers") == 2
-    assert text.count("where labkit's wall time went: schedule") == 2 and "### Profile" in text
+    assert text.count("output tok/s") == 6 and text.count("throughput ratio labkit/transformers") == 2
+    assert text.count("where its wall time went: schedule") == 4 and "### Profile" in text
+    assert text.count("resolve (gpu wait, append)") == 2 and text.count("async scheduling / synchronous steps") == 2
     assert not list(tmp_path.iterdir())  # reports are written for GPU runs only
 
 

@@ -24,7 +24,8 @@ def test_dry_run_writes_a_report_of_the_cpu_parts_and_skips_cuda(tmp_path, monke
     [report] = tmp_path.glob("*-cpu.md")
     text = report.read_text()
     assert text.startswith("# GPU check: cpu\n")
-    assert "Sections: 3 passed, 0 failed, 4 skipped." in text
+    assert "Sections: 4 passed, 0 failed, 4 skipped." in text
+    assert "- ok: 12/12 requests drew the same tokens with async scheduling" in text
     assert "## Triton kernels vs the torch reference: PASS" in text
     for dtype in ("float32", "float16", "bfloat16"):
         assert text.count(f"- ok: paged_attention {dtype}") == 3
