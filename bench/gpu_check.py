@@ -18,6 +18,7 @@ weights and speed depends only on the shape.
 """
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import gc
@@ -232,7 +233,10 @@ def parity(section: Section, device, source: str, use_cuda_graph: bool, quick: b
 
 def async_parity(section: Section, device, quick: bool) -> None:
     """Async scheduling (labkit/engine/overlap.py) against synchronous steps on the same engine settings:
-    the same tokens for greedy and seeded requests with stop tokens, and each one's time."""
+    the same tokens for greedy and seeded requests through top-k and top-p, each one's speed, and on a
+    GPU no synchronizing call while an overlapped step launches. Every request ends by length, so both
+    runs batch alike (a request ended by EOS or a stop adds a thrown-away row to the next overlapped
+    step, and another batch size may round bf16 logits differently)."""
     import random
 
     import torch
@@ -249,14 +253,16 @@ def async_parity(section: Section, device, quick: bool) -> None:
     rng = random.Random(0)
     count = 12 if quick else 96
     prompts = [[rng.randrange(100, 10000) for _ in range(rng.randint(8, 200))] for _ in range(count)]
-    params = [SamplingParams(temperature=0 if i % 3 == 0 else 0.7, top_p=0.95 if i % 4 == 1 else 1.0, seed=i,
-                             max_tokens=rng.randint(4, 24 if quick else 256), ignore_eos=i % 2 == 0,
-                             stop_token_ids=[] if i % 5 else [rng.randrange(100, 1000)]) for i in range(count)]
-    results = {}
+    params = [SamplingParams(temperature=0 if i % 3 == 0 else 0.7, top_p=0.95 if i % 4 == 1 else 1.0,
+                             top_k=50 if i % 4 == 2 else 0, seed=i, max_tokens=rng.randint(4, 24 if quick else 256),
+                             ignore_eos=True) for i in range(count)]
+    results, syncs = {}, None
     for overlapped in (False, True):
         llm = LLM(model, tokenizer=placeholder_tokenizer(config.vocab_size), max_num_seqs=64,
                   max_num_batched_tokens=2048, max_model_len=512, async_scheduling=overlapped)
         llm.generate(prompts[:2], params[:2])  # warm-up: compiles the kernels
+        if overlapped and device.type == "cuda":
+            syncs = watch_overlapped_launches(llm)
         outputs = []
         seconds = measure(lambda llm=llm, outputs=outputs: outputs.extend(llm.generate(prompts, params)),
                           1, 0, device).median
@@ -265,11 +271,49 @@ def async_parity(section: Section, device, quick: bool) -> None:
         free_memory()
     (sync_tokens, sync_seconds, fast_path), (async_tokens, async_seconds, _) = results[False], results[True]
     tokens = sum(map(len, sync_tokens))
-    section.lines.append(f"- {count} requests (greedy and seeded, a stop token in every fifth), {dtype}, fast path "
-                         f"{fast_path}: synchronous steps {tokens / sync_seconds:.0f} output tok/s, async "
-                         f"scheduling {tokens / async_seconds:.0f} ({sync_seconds / async_seconds:.2f}x)")
+    section.lines.append(f"- {count} requests (greedy, seeded, top-k, top-p), {dtype}, fast path {fast_path}: "
+                         f"synchronous steps {tokens / sync_seconds:.0f} output tok/s, async scheduling "
+                         f"{tokens / async_seconds:.0f} ({sync_seconds / async_seconds:.2f}x)")
     same = sum(a == b for a, b in zip(sync_tokens, async_tokens, strict=True))
     section.check(same == count, f"{same}/{count} requests drew the same tokens with async scheduling")
+    if syncs is not None:
+        section.check(not syncs, f"synchronizing CUDA calls while overlapped steps launched: {sum(syncs.values())}"
+                                 + "".join(f"; {n} at {place}" for place, n in syncs.most_common(3)))
+
+
+def watch_overlapped_launches(llm) -> "collections.Counter":
+    """Where (file:line) the model runner's forward and sampling make a synchronizing CUDA call inside an
+    overlapped step (torch's sync debug mode): each one makes the host wait for the GPU, undoing the overlap."""
+    import warnings
+
+    import torch
+
+    places, inside = collections.Counter(), [False]
+
+    def watched(fn):
+        def call(*args, **kwargs):
+            if not inside[0]:
+                return fn(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    places.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        return call
+
+    def run(out, run=llm._overlap.run):
+        inside[0] = True
+        try:
+            return run(out)
+        finally:
+            inside[0] = False
+
+    llm.runner.forward, llm.runner.sample_on_device = watched(llm.runner.forward), watched(llm.runner.sample_on_device)
+    llm._overlap.run = run
+    return places
 
 
 def fp16_parity(section: Section, device, source: str) -> None:

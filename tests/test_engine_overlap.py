@@ -143,9 +143,56 @@ def test_callers_never_see_a_placeholder_and_requests_come_and_go(tiny):
     for n, i in enumerate(ids):
         if i == aborted:
             continue
-        assert summary([outputs[i]]) == [expected[0]] if n == 0 else summary([outputs[i]]) == [expected[n]]
+        assert summary([outputs[i]]) == [expected[n]]
         final = outputs[i].outputs[0]
         assert all(final.token_ids[:len(t)] == t and final.text.startswith(x) for t, x in seen[i])
+    assert_no_leak(llm)
+
+
+def test_requests_that_end_by_length_batch_as_in_synchronous_steps(tiny, monkeypatch):
+    """A sequence whose placeholder reaches max_tokens or max_model_len sits the next step out: every
+    step batches the same sequences as a synchronous run (no thrown-away rows)."""
+    prompts = [prompt(i, 3 + 5 * i) for i in range(7)]
+    params = [SamplingParams(temperature=0.5 * (i % 2), seed=i, max_tokens=3 + 4 * i, ignore_eos=True)
+              for i in range(7)]
+    batches, outputs = {}, {}
+    for overlapped in (False, True):
+        llm = engine(tiny, max_model_len=40, async_scheduling=overlapped)
+        forward, batches[overlapped] = llm.runner.forward, []
+
+        def recorded(seqs, num_new_tokens, *args, forward=forward, batches=batches[overlapped], **kwargs):
+            batches.append(sorted(seq.seq_id for seq in seqs))  # both engines number the requests from 0
+            return forward(seqs, num_new_tokens, *args, **kwargs)
+
+        monkeypatch.setattr(llm.runner, "forward", recorded)
+        outputs[overlapped] = summary(llm.generate(prompts, params))
+        assert_no_leak(llm)
+    assert outputs[True] == outputs[False]
+    assert {reason for [(_, _, reason, *_)] in outputs[True]} == {FinishReason.MAX_TOKENS}
+    assert batches[True] == batches[False]
+
+
+def test_a_second_ctrl_c_while_generate_cleans_up_waits_for_the_cleanup(tiny, monkeypatch):
+    """Ctrl-C stops generate; a second one during its cleanup (which waits for the step in flight) is held
+    until the cleanup is done, so none of the call's requests stays queued or claimed."""
+    import os
+    import signal
+
+    llm = engine(tiny, async_scheduling=True)
+    resolve, calls = llm._overlap.resolve, [0]
+
+    def interrupted(*args):
+        calls[0] += 1
+        if calls[0] == 4:  # a step of generate: the first Ctrl-C
+            raise KeyboardInterrupt
+        if calls[0] == 5:  # generate's cleanup resolves before aborting: the second Ctrl-C, a real signal
+            os.kill(os.getpid(), signal.SIGINT)
+        return resolve(*args)
+
+    monkeypatch.setattr(llm._overlap, "resolve", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt(1, 5), prompt(2, 6)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert calls[0] >= 5
     assert_no_leak(llm)
 
 
@@ -175,8 +222,11 @@ def test_a_request_whose_overlapped_step_fails_is_finished_with_an_error_and_the
 
         monkeypatch.setattr(llm.runner, "sample_on_device", failing)
         runs = CountingRuns(llm, monkeypatch) if overlapped else None
-        with pytest.warns(UserWarning, match="request .* failed"):
+        with pytest.warns(UserWarning) as warned:
             results[overlapped] = summary(llm.generate([prompt(6), bad_prompt, prompt(8)], params))
+        messages = [str(w.message) for w in warned]
+        assert any("request 1 failed" in m for m in messages)
+        assert any("overlapped step failed to launch" in m for m in messages) == overlapped
         assert runs is None or runs.failed == 1
         assert_no_leak(llm)
     assert results[True] == results[False]

@@ -119,3 +119,16 @@ def test_bad_logits_are_rejected():
         filter_logits(torch.zeros(1, 2, 3))
     with pytest.raises(ValueError, match="floating-point tensor"):
         filter_logits(torch.zeros(4, dtype=torch.long))
+
+
+def test_top_k_given_its_largest_setting_filters_alike_and_the_sampler_knows_it_on_the_host():
+    """The sampler hands apply_top_k the largest top_k from the requests (reading it off a GPU tensor
+    waits for the GPU): the same result as finding it in the tensor, including the vocabulary clamp."""
+    from labkit.sampling import SamplingMetadata, SamplingParams
+
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    top_k = torch.tensor([0, 5, 200, 17])
+    assert torch.equal(apply_top_k(logits, top_k, max_top_k=200), apply_top_k(logits, top_k))
+    params = [SamplingParams(temperature=1, top_k=k) for k in (0, 5, 200, 17)]
+    metadata = SamplingMetadata.from_requests(params, [()] * 4, [()] * 4)
+    assert metadata.max_top_k == 200 and "top_k" in metadata.filters

@@ -389,7 +389,7 @@ class PartsSampler(Sampler):
         super().__init__()
         self.parts = parts
 
-    def top_k(self, logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    def top_k(self, logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
         return self._per_setting(logits, "top_k_filter", top_k, lambda k: k > 0, int)
 
     def top_p(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

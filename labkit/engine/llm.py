@@ -106,7 +106,8 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step. Returns the outputs of finished requests that were queued
         with `add_request`, including those that finished during another caller's steps (a
-        `generate` or `stream` call collects its own requests and leaves everyone else's here).
+        `generate` or `stream` call collects its own requests and leaves everyone else's here). With
+        async scheduling a request's last token, and so its output, arrives one step later.
         Ctrl-C during a step takes effect when the step is done (labkit/engine/interrupts.py)."""
         finished = {}
         with deferred_interrupts(undo=lambda: self._outputs.update(finished)):  # kept for the next step
@@ -176,12 +177,14 @@ class LLM:
 
     def _release(self, ids: list[int]) -> None:
         """The end of a generate or stream call, however it ended (KeyboardInterrupt, a closed
-        generator): none of its requests stays queued, claimed or buffered."""
-        for i in ids:
-            if i in self._requests:
-                self.abort(i)
-            self._outputs.pop(i, None)
-        self._claimed.difference_update(ids)
+        generator): none of its requests stays queued, claimed or buffered. A Ctrl-C while it runs
+        (a second one, after the one that ended the call) waits for it to finish."""
+        with deferred_interrupts():
+            for i in ids:
+                if i in self._requests:
+                    self.abort(i)
+                self._outputs.pop(i, None)
+            self._claimed.difference_update(ids)
 
     # --- user-facing calls -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

@@ -27,13 +27,17 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     return logits / temperature.to(logits.dtype).unsqueeze(-1)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep the top_k largest logits of each row (and any tied with the k-th); top_k <= 0 keeps all."""
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
+    """Keep the top_k largest logits of each row (and any tied with the k-th); top_k <= 0 keeps all.
+
+    `max_top_k`: top_k's largest entry, if the caller knows it on the host (the sampler does): reading
+    it from a tensor on a GPU waits for everything queued there."""
     vocab_size = logits.shape[-1]
     enabled = top_k > 0
     k = torch.where(enabled, top_k, 1).clamp(max=vocab_size).to(torch.long)
     # One topk for the largest k in the batch (cheaper than sorting the vocabulary), then each row's k-th.
-    largest = logits.topk(int(k.max()), dim=-1).values
+    largest_k = int(k.max()) if max_top_k is None else min(max(max_top_k, 1), vocab_size)
+    largest = logits.topk(largest_k, dim=-1).values
     kth_largest = largest.gather(-1, (k - 1).unsqueeze(-1))
     remove = (logits < kth_largest) & enabled.unsqueeze(-1)
     return logits.masked_fill(remove, NEG_INF)

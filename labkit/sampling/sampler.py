@@ -126,6 +126,7 @@ class SamplingMetadata:
     # Known on the host, so the sampler takes its branches without waiting for the GPU to answer:
     greedy_rows: str  # "all", "some" or "none"
     filters: frozenset[str]  # which of "top_k", "top_p", "min_p" some row uses
+    max_top_k: int = 0  # the largest top_k of any row (top_k's topk width)
     prompt_token_ids: torch.Tensor | None = None  # [batch, longest prompt], -1 padded
     output_token_ids: torch.Tensor | None = None  # [batch, longest output], -1 padded
     repetition_penalty: torch.Tensor | None = None  # [batch], 1 = off
@@ -173,6 +174,7 @@ class SamplingMetadata:
             seeds=to_device(torch.tensor(seeds, dtype=torch.int64)),
             steps=to_device(torch.tensor([len(out) for out in output_token_ids], dtype=torch.int64)),
             greedy_rows=("all" if num_greedy == len(params) else "some" if num_greedy else "none"),
+            max_top_k=max((p.top_k for p in params), default=0),
             filters=frozenset(name for name, used in (("top_k", any(p.top_k > 0 for p in params)),
                                                       ("top_p", any(p.top_p < 1 for p in params)),
                                                       ("min_p", any(p.min_p > 0 for p in params))) if used),
@@ -269,7 +271,8 @@ class Sampler:
         return scores.argmax(dim=-1)
 
     # The two truncations, each a method a subclass may replace (the course's engine parts do):
-    # (logits, per-row setting) -> logits with the dropped entries at -inf.
+    # (logits, per-row setting) -> logits with the dropped entries at -inf; top_k is also given
+    # the largest setting, known on the host.
     top_k = staticmethod(apply_top_k)
     top_p = staticmethod(apply_top_p)
 
@@ -278,7 +281,7 @@ class Sampler:
         temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
         logits = apply_temperature(logits, temperature)
         if "top_k" in metadata.filters:
-            logits = self.top_k(logits, metadata.top_k)
+            logits = self.top_k(logits, metadata.top_k, metadata.max_top_k)
         if "top_p" in metadata.filters:
             logits = self.top_p(logits, metadata.top_p)
         if "min_p" in metadata.filters:
