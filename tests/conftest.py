@@ -1,5 +1,5 @@
-"""Session-wide test setup that must happen before any test module imports triton, and the fixture
-the C kernels' build tests share."""
+"""Session-wide test setup that must happen before any test module imports triton, and the fixtures
+the C kernels' build tests and the engine tests share."""
 
 import os
 import sys
@@ -33,3 +33,11 @@ def fresh_build(monkeypatch, tmp_path):
     yield tmp_path
     for load in loaders:
         load.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, tokenizer) of engine_support's tiny random-weights Llama, one per test module."""
+    from engine_support import tiny_model_and_tokenizer
+
+    return tiny_model_and_tokenizer()

@@ -3,6 +3,7 @@ that survives interrupts, and what raises them."""
 
 import torch
 
+from labkit.engine import LLM
 from labkit.model import DecoderModel, ModelConfig
 from labkit.tokenizer import load_tokenizer
 
@@ -20,6 +21,19 @@ def tiny_model_and_tokenizer():
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     return model, tokenizer
+
+
+def engine(tiny, **kwargs):
+    """An engine on the tiny model: 64 KV blocks of 8 tokens unless `kwargs` say otherwise."""
+    model, tokenizer = tiny
+    kwargs.setdefault("num_kvcache_blocks", 64)
+    kwargs.setdefault("block_size", 8)
+    return LLM(model, tokenizer=tokenizer, **kwargs)
+
+
+def prompt(i, length=6):
+    """Prompt i: `length` token ids, different for each i."""
+    return [100 + (7 * i + j) % 900 for j in range(length)]
 
 
 def assert_no_leak(llm):

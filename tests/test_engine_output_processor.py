@@ -4,18 +4,13 @@ token-by-token detokenizer gives; a request with stop strings is detokenized eac
 where its stop string begins; `request_output` mid-generation returns the text so far."""
 
 import pytest
-from engine_support import assert_no_leak, tiny_model_and_tokenizer
+from engine_support import assert_no_leak
 
 from labkit.engine import LLM, FinishReason
 from labkit.sampling import SamplingParams
 from labkit.tokenizer import IncrementalDetokenizer
 
 PROMPT = [100, 200, 300, 400, 500]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model_and_tokenizer()
 
 
 def engine(tiny):

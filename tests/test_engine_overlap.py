@@ -9,28 +9,18 @@ fused C step, the fast path an overlapped decode goes through.
 
 import pytest
 import torch
-from engine_support import Interrupter, assert_no_leak, step_through_interrupts, tiny_model_and_tokenizer
+from engine_support import (
+    Interrupter,
+    assert_no_leak,
+    engine,
+    prompt,
+    step_through_interrupts,
+)
 
-from labkit.engine import LLM, EngineConfig, FinishReason, SpeculativeConfig
+from labkit.engine import EngineConfig, FinishReason, SpeculativeConfig
 from labkit.engine.model_runner import fill_placeholders
 from labkit.engine.overlap import OverlappedSteps, placeholder
 from labkit.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model_and_tokenizer()
-
-
-def engine(tiny, **kwargs):
-    model, tokenizer = tiny
-    kwargs.setdefault("num_kvcache_blocks", 64)
-    kwargs.setdefault("block_size", 8)
-    return LLM(model, tokenizer=tokenizer, **kwargs)
-
-
-def prompt(i, length=6):
-    return [100 + (7 * i + j) % 900 for j in range(length)]
 
 
 def summary(outputs):

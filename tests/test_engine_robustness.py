@@ -11,30 +11,20 @@ import time
 import numpy as np
 import pytest
 import torch
-from engine_support import Interrupter, assert_no_leak, step_through_interrupts, tiny_model_and_tokenizer
+from engine_support import (
+    Interrupter,
+    assert_no_leak,
+    engine,
+    prompt,
+    step_through_interrupts,
+)
 
 from labkit.engine import LLM, FinishReason
 from labkit.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model_and_tokenizer()
-
-
-def engine(tiny, **kwargs):
-    model, tokenizer = tiny
-    kwargs.setdefault("num_kvcache_blocks", 64)
-    kwargs.setdefault("block_size", 8)
-    return LLM(model, tokenizer=tokenizer, **kwargs)
-
-
 def greedy(max_tokens):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def prompt(i, length=6):
-    return [100 + (7 * i + j) % 900 for j in range(length)]
 
 
 
