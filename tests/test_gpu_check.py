@@ -118,3 +118,22 @@ def test_gpu_reports_are_committed_not_ignored():
     assert ignored.returncode == 1, "reports/gpu/ must not be git-ignored"
     assert subprocess.run(["git", "check-ignore", "-q", "reports/grades.json"], cwd=ROOT).returncode == 0
     assert os.path.isfile(ROOT / ".nbval_sanitize_gpu.cfg")
+
+
+def test_the_gpu_session_script_runs_each_stage_and_keeps_what_it_wrote(tmp_path):
+    """bench/gpu_session.sh, what a short GPU loan runs, in its --dry-run form; a stage that fails
+    fails the session without stopping the next stage."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPU_PYTHON": sys.executable}
+    done = subprocess.run(["bash", "bench/gpu_session.sh", str(tmp_path / "out"), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"gpu-check.log", "bench-qwen3.log"} <= files and any(f.endswith("-cpu.md") for f in files)
+    assert "async scheduling / synchronous steps" in (tmp_path / "out" / "bench-qwen3.log").read_text()
+    failed = subprocess.run(["bash", "bench/gpu_session.sh", str(tmp_path / "failed"), "--dry-run"], cwd=ROOT,
+                            env={**env, "GPU_PYTHON": "false"}, capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 1
+    assert "== gpu-check ended with status 1" in failed.stdout and "== bench-qwen3 ended with status 1" in failed.stdout
