@@ -186,12 +186,17 @@ def test_a_second_ctrl_c_while_generate_cleans_up_waits_for_the_cleanup(tiny, mo
     assert_no_leak(llm)
 
 
-def test_stream_with_overlapped_steps_yields_the_generated_text(tiny):
+def test_stream_with_overlapped_steps_yields_the_generated_text_without_waiting_for_each_step(tiny, monkeypatch):
+    """A stream reads what is on the host: its text comes a step late, and the steps keep overlapping."""
     params = SamplingParams(temperature=0.8, seed=9, max_tokens=16, stop=["ou"])
     expected = engine(tiny).generate(prompt(3), params)[0].text
     llm = engine(tiny, async_scheduling=True)
+    run, in_flight = llm._overlap.run, []
+    monkeypatch.setattr(llm._overlap, "run", lambda out: in_flight.append(llm._overlap.pending is not None) or run(out))
     other = llm.add_request(prompt(4), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    assert "".join(llm.stream(prompt(3), params)) == expected
+    pieces = list(llm.stream(prompt(3), params))
+    assert "".join(pieces) == expected and len(pieces) > 3
+    assert sum(in_flight) >= 8  # launched while the step before was still in flight
     llm.abort(other)
     assert_no_leak(llm)
 

@@ -121,8 +121,8 @@ def test_gpu_reports_are_committed_not_ignored():
 
 
 def test_the_gpu_session_script_runs_each_stage_and_keeps_what_it_wrote(tmp_path):
-    """bench/gpu_session.sh, what a short GPU loan runs, in its --dry-run form; a stage that fails
-    fails the session without stopping the next stage."""
+    """bench/gpu_session.sh, what a short GPU loan runs, in its --dry-run form; a machine lacking what
+    the stages import stops at the preflight, and stages past the session's time are skipped."""
     import subprocess
     import sys
 
@@ -136,4 +136,21 @@ def test_the_gpu_session_script_runs_each_stage_and_keeps_what_it_wrote(tmp_path
     failed = subprocess.run(["bash", "bench/gpu_session.sh", str(tmp_path / "failed"), "--dry-run"], cwd=ROOT,
                             env={**env, "GPU_PYTHON": "false"}, capture_output=True, text=True, timeout=60)
     assert failed.returncode == 1
-    assert "== gpu-check ended with status 1" in failed.stdout and "== bench-qwen3 ended with status 1" in failed.stdout
+    assert "== preflight ended with status 1" in failed.stdout and "== stopping: preflight failed" in failed.stdout
+    short = subprocess.run(["bash", "bench/gpu_session.sh", str(tmp_path / "short"), "--dry-run"], cwd=ROOT,
+                           env={**env, "SESSION_SECONDS": "25"}, capture_output=True, text=True, timeout=60)
+    assert short.returncode == 1 and "== gpu-check skipped: the session's time is spent" in short.stdout
+
+
+def test_a_check_cut_short_keeps_the_sections_it_finished(tmp_path, monkeypatch):
+    """The report is rewritten after each section: a GPU loan that ends mid-check keeps what it checked."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def cut(*args):
+        raise KeyboardInterrupt  # stands for the time limit: the check stops in the middle of a section
+
+    monkeypatch.setattr(gpu_check, "kernels", cut)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--dry-run", "--model", "random", "--out", str(tmp_path)])
+    [report] = tmp_path.glob("*-cpu.md")
+    assert "## Environment: PASS" in report.read_text() and "Sections: 1 passed" in report.read_text()

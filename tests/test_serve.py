@@ -65,12 +65,17 @@ def metrics(server) -> dict[str, float]:
     return samples
 
 
-def test_openai_client_completions_chat_and_streams_match_the_offline_engine():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["synchronous", "async-scheduling"])
+def test_openai_client_completions_chat_and_streams_match_the_offline_engine(async_scheduling):
     oracle = tiny_llm()
     prompt = "The capital of France is"
     expected = oracle.generate(prompt, GREEDY)[0]
     expected_chat = oracle.chat(CHAT, GREEDY)[0]
-    llm = tiny_llm()
+    llm = tiny_llm(async_scheduling=async_scheduling)
+    in_flight = []  # for each overlapped launch: whether the step before was still in flight (never waited for)
+    if async_scheduling:
+        run = llm._overlap.run
+        llm._overlap.run = lambda out: in_flight.append(llm._overlap.pending is not None) or run(out)
     with no_leaked_threads(), serve(llm) as server:
         c = client(server)
         assert [m.id for m in c.models.list().data] == [MODEL_NAME]
@@ -114,6 +119,7 @@ def test_openai_client_completions_chat_and_streams_match_the_offline_engine():
             text = "".join(ch.choices[0].text for ch in answer) if stream else answer.choices[0].text
             assert text == expected.text[:expected.text.index(stop)]
 
+        assert sum(in_flight) >= 20 if async_scheduling else not in_flight  # streams did not stall the overlap
         seen = metrics(server)
         assert seen["labkit_time_to_first_token_seconds_count"] == 9
         assert seen['labkit_requests_total{finished_reason="length"}'] >= 1

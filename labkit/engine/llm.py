@@ -92,8 +92,8 @@ class LLM:
                 or any(i not in self._claimed for i in self._outputs))
 
     def request_output(self, request_id: int) -> RequestOutput:
-        """Where an unfinished request stands now (its text so far): what a streaming server sends on."""
-        self._resolve_pending()
+        """Where an unfinished request stands now (its text so far): what a streaming server sends on.
+        With async scheduling, the token of the step in flight is not in it yet: reading does not wait."""
         return self.output_processor.output(self._unfinished(request_id))
 
     def _unfinished(self, request_id: int) -> Sequence:
@@ -162,7 +162,7 @@ class LLM:
 
     def _resolve_pending(self) -> None:
         """Append the tokens of the overlapped step in flight, if any: before a step that does not
-        overlap, and before a caller reads a request's tokens."""
+        overlap, and before an abort."""
         if self._overlap is not None:
             self.metrics.num_generated_tokens += self._overlap.resolve()
 
@@ -239,7 +239,6 @@ class LLM:
         try:
             while not seq.is_finished:
                 self._run_step()
-                self._resolve_pending()
                 ready = 0 if seq.is_finished else len(self.output_processor.catch_up(seq)) - hold
                 if ready > sent:  # (a finished request's text is its output's, below)
                     yield seq.text[sent:ready]

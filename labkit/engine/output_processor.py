@@ -88,7 +88,7 @@ class OutputProcessor:
         """`seq`'s text with every token it has: the tokens not detokenized yet are, in one call (with
         `final`, what the detokenizer still holds back too, unless a stop ended the text). All or nothing."""
         state = self._state(seq)
-        missing = seq.output_token_ids[state.num_tokens:]
+        missing = seq.known_output_token_ids[state.num_tokens:]
         if not missing and not final:
             return seq.text
         checkpoint = state.detokenizer.state()
@@ -113,9 +113,10 @@ class OutputProcessor:
         return output
 
     def output(self, seq: Sequence, metrics: RequestMetrics | None = None) -> RequestOutput:
-        """vLLM's RequestOutput of the request whose sample 0 is `seq`, finished or not (its text so far)."""
-        samples = [CompletionOutput(s.index, self.catch_up(s), s.output_token_ids, s.cumulative_logprob, s.logprobs,
-                                    s.finish_reason, s.stop_reason) for s in seq.group]
+        """vLLM's RequestOutput of the request whose sample 0 is `seq`, finished or not (its text so far,
+        without the token an overlapped step has not brought to the host yet)."""
+        samples = [CompletionOutput(s.index, self.catch_up(s), s.known_output_token_ids, s.cumulative_logprob,
+                                    s.logprobs, s.finish_reason, s.stop_reason) for s in seq.group]
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.prompt_logprobs, samples,
                              seq.group_finished, metrics or RequestMetrics.of(seq))
 

@@ -17,7 +17,8 @@ step, whose row for it is thrown away (one that reaches max_tokens or max_model_
 and sits the next step out, `ends_at_its_placeholder`). Only plain decode steps overlap:
 nothing waiting or swapped (admission changes the batch), no preemption possible, and no request
 whose sampling reads its tokens or logits on the host (logprobs, penalties, logit processors).
-Before any other step, and before a caller reads a request's tokens, the step in flight is resolved.
+Before any other step, and before an abort, the step in flight is resolved; a caller reading a request
+meanwhile (`request_output`, a stream) sees its tokens up to the step before (`known_output_token_ids`).
 Unseeded requests draw from torch's generator once per row, so the thrown-away rows make a run's
 draws differ from a synchronous run's; seeded requests draw the same tokens either way.
 """

@@ -149,9 +149,10 @@ class Scheduler:
         self.running.append(child)
 
     def release_finished(self) -> None:
-        """Release the running sequences that finished outside `postprocess`: a step interrupted before
-        it, or a token appended a step late (overlap.py). Scheduled again, they would get a token past their end."""
-        for seq in [s for s in self.running if s.is_finished]:
+        """Release the sequences that finished outside `postprocess`: a step interrupted before it, or a
+        token appended a step late (overlap.py), perhaps after a preemption queued the sequence again.
+        Scheduled again, they would get a token past their end."""
+        for seq in [s for queue in (self.running, self.waiting, self.swapped) for s in queue if s.is_finished]:
             self.abort(seq)
 
     @property

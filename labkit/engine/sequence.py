@@ -98,6 +98,13 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def known_output_token_ids(self) -> list[int]:
+        """output_token_ids without a trailing placeholder (an id < 0): the token an overlapped step drew,
+        still on the device, whose id the host does not know yet (labkit/engine/overlap.py)."""
+        ids = self.output_token_ids
+        return ids[:-1] if ids and ids[-1] < 0 else ids
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -253,6 +253,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="web origins (e.g. http://localhost:3000) whose pages may call the server, with CORS; "
                         "default: none")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each decode step before the last one's tokens reach the host "
+                        "(labkit/engine/overlap.py)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--exit-with-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
     return p
@@ -282,7 +285,7 @@ def main(argv=None) -> None:
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, num_kvcache_blocks=args.num_kvcache_blocks, device=args.device,
               dtype=None if args.dtype == "auto" else getattr(torch, args.dtype), weight_format=args.weight_format,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling)
     limits = replace(Limits(), max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                      max_waiting=args.max_waiting, read_timeout_s=args.read_timeout,
                      keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
