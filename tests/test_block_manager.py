@@ -324,6 +324,25 @@ def test_fork_shares_every_block_and_copy_on_write_copies_only_the_written_parti
     bm.check_invariants([])
 
 
+def test_a_fork_recomputed_from_the_start_copies_every_shared_block_it_writes():
+    """After an interrupted step, forked samples recompute their prompt and first tokens together: each
+    writes its own token into the partial block they share, so that block (and the full one the same
+    step rewrites) is copied, not only the block of the first token the step computes."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = BlockSequence("p", list(range(6)))  # a full block and a partial one
+    prefill(bm, parent)
+    child = BlockSequence("c", list(range(6)))
+    bm.fork(parent, child)
+    child.token_ids.append(50)
+    child.num_cached_tokens = 0  # the step that computed the prompt was interrupted before postprocess
+    assert bm.shared_write_indexes(child) == [0, 1] and bm.can_append(child)
+    copies = bm.append(child)
+    assert [source for source, _ in copies] == parent.block_table
+    assert not set(child.block_table) & set(parent.block_table)
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [1, 1]
+    bm.check_invariants([parent, child])
+
+
 def test_copy_on_write_counts_the_copy_when_the_pool_is_short():
     bm = BlockManager(num_blocks=2, block_size=8)
     parent = BlockSequence("p", [1, 2, 3])

@@ -384,6 +384,8 @@ FORK_POINTS = {  # interrupts around forking a request's samples and drawing the
     "after an append": lambda llm: (llm.output_processor, "append", 3),
     "copy-on-write": lambda llm: (llm.storage, "copy_blocks", 2),
     "after copy-on-write": lambda llm: (llm.storage, "copy_blocks", 2),
+    # the samples recompute their prompt and first token together, sharing the prompt's blocks
+    "before the fork step's postprocess": lambda llm: (llm.scheduler, "postprocess", 2),
 }
 
 

@@ -204,7 +204,7 @@ class PartsBlockManager(BlockManager):
 
     def can_append(self, seq) -> bool:
         # A copy-on-write copy of a shared partial block takes one free block more.
-        free = self.num_free_blocks - (self.shared_write_index(seq) is not None)
+        free = self.num_free_blocks - len(self.shared_write_indexes(seq))
         self.missing_blocks(seq)  # its checks: the sequence holds blocks, no tokens were removed
         answer = self.parts.call("can_append", len(seq.token_ids), len(seq.block_table), self.block_size, free)
         if not isinstance(answer, bool):

@@ -217,12 +217,20 @@ class BlockManager:
             )
         return missing
 
+    def shared_write_indexes(self, seq: SequenceBlocks) -> list[int]:
+        """Indexes in seq.block_table of the shared blocks the next step writes K/V into (copy-on-write):
+        the blocks from its first uncomputed token's to its last token's that another sequence holds.
+        At most one in a normal step, the partial block a fork shares; more only when a step recomputes
+        several tokens of forked samples (after an interrupted step), whose different tokens would
+        otherwise overwrite each other's K/V in a block they still share."""
+        bs, table = self.block_size, seq.block_table
+        last = min((len(seq.token_ids) - 1) // bs, len(table) - 1)
+        return [i for i in range(seq.num_cached_tokens // bs, last + 1) if self.blocks[table[i]].ref_count > 1]
+
     def shared_write_index(self, seq: SequenceBlocks) -> int | None:
-        """Index in seq.block_table of the shared block its next write lands in, if any (copy-on-write)."""
-        index = seq.num_cached_tokens // self.block_size
-        if index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1:
-            return index
-        return None
+        """The first of `shared_write_indexes`, if any: the shared block `seq`'s next token is written into."""
+        shared = self.shared_write_indexes(seq)
+        return shared[0] if shared else None
 
     def shared_write_block(self, seq: SequenceBlocks) -> int | None:
         """The id of the shared block `seq`'s next token is written into, if any: `append` will copy it."""
@@ -231,39 +239,39 @@ class BlockManager:
 
     def can_append(self, seq: SequenceBlocks) -> bool:
         """Whether the free blocks cover what `append` will take for `seq`'s tokens: the blocks its
-        new tokens start, plus a copy-on-write copy if its next write lands in a shared block."""
-        cow = self.shared_write_index(seq) is not None
-        return self.missing_blocks(seq) + cow <= self.num_free_blocks
+        new tokens start, plus a copy-on-write copy of each shared block its step writes into."""
+        return self.missing_blocks(seq) + len(self.shared_write_indexes(seq)) <= self.num_free_blocks
 
     def append(self, seq: SequenceBlocks, storage: BlockStorage | None = None) -> list[tuple[int, int]]:
         """After tokens were appended to `seq`: add blocks for them and cache newly computed full blocks.
 
         Returns the copy-on-write copies to make before the step writes K/V, as (source block,
-        destination block) pairs: at most one, when the first token to compute lands in a partial
-        block that a fork shares with other sequences. Given `storage`, the copy is made here,
-        before the block table changes, so an interrupted copy leaves the sequence as it was;
+        destination block) pairs: one per shared block the step writes into (`shared_write_indexes`;
+        normally at most one, the partial block a fork shares). Given `storage`, the copies are made
+        here, before the block table changes, so an interrupted copy leaves the sequence as it was;
         without it the caller copies the pairs.
         """
         missing = self.missing_blocks(seq)
-        shared = self.shared_write_index(seq)
-        if missing + (shared is not None) > self.num_free_blocks:
+        shared = self.shared_write_indexes(seq)
+        if missing + len(shared) > self.num_free_blocks:
             raise KVCacheExhausted(
-                f"sequence {seq.seq_id!r} needs {missing + (shared is not None)} more block(s), "
+                f"sequence {seq.seq_id!r} needs {missing + len(shared)} more block(s), "
                 f"{self.num_free_blocks} are free"
             )
         self.cache_computed_blocks(seq)
         copies = []
-        if shared is not None:
-            source, destination = seq.block_table[shared], self.take_free_block()
+        if shared:
+            destinations = [self.take_free_block() for _ in shared]
+            copies = [(seq.block_table[i], destination) for i, destination in zip(shared, destinations, strict=True)]
             if storage is not None:
                 try:
-                    storage.copy_blocks([(source, destination)])
+                    storage.copy_blocks(copies)
                 except BaseException:
-                    self._untake([destination])
+                    self._untake(destinations)
                     raise
-            self.blocks[source].ref_count -= 1  # still > 0: the other owners keep it
-            seq.block_table[shared] = destination
-            copies.append((source, destination))
+            for i, (source, destination) in zip(shared, copies, strict=True):
+                self.blocks[source].ref_count -= 1  # still > 0: the other owners keep it
+                seq.block_table[i] = destination
         seq.block_table.extend(self.take_free_block() for _ in range(missing))
         return copies
 

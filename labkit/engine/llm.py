@@ -134,7 +134,7 @@ class LLM:
             num_batched_tokens = out.num_batched_tokens  # before forked samples join `out`
             if overlapped:  # launched before the last step's tokens are appended (overlap.py)
                 num_sampled = self._overlap.run(out)
-                if num_sampled is None:  # its launch failed: a synchronous step finds whose fault it was
+                if num_sampled is None:  # not launched (see run): a synchronous step, which isolates a failure
                     self._resolve_pending()
                     out = unfinished(out)
                     num_sampled = self._draw_and_append(out)

@@ -100,7 +100,7 @@ def flatten_step(seqs: list[SequenceBlocks], num_new_tokens: list[int], block_si
 def fill_placeholders(input_ids: torch.Tensor, pending_tokens: torch.Tensor) -> torch.Tensor:
     """`input_ids` with each placeholder (-1 - row, overlap.py) replaced, on the device, by row `row`
     of `pending_tokens`."""
-    rows = (-1 - input_ids).clamp(min=0)  # a real token's row is 0, unused; a placeholder past the end fails
+    rows = (-1 - input_ids).clamp(min=0)  # a real token's row is 0, unused; one past the end is a bug (an error)
     return torch.where(input_ids < 0, pending_tokens[rows], input_ids)
 
 

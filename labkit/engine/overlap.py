@@ -79,7 +79,7 @@ class OverlappedSteps:
         for seq in scheduler.running:
             if seq.is_finished or seq.is_prefill or not self.overlaps(seq):
                 return False
-            needed += blocks.missing_blocks(seq) + (blocks.shared_write_index(seq) is not None)
+            needed += blocks.missing_blocks(seq) + len(blocks.shared_write_indexes(seq))
         return needed <= blocks.num_free_blocks
 
     @staticmethod

@@ -405,7 +405,8 @@ def _append_case(fn, bm, seq, new_tokens):
     return copies, table
 
 
-@exercise("09", "append_blocks", forbidden=(f"{_MANAGER}.shared_write_index", f"{_MANAGER}.shared_write_block",
+@exercise("09", "append_blocks", forbidden=(f"{_MANAGER}.shared_write_index", f"{_MANAGER}.shared_write_indexes",
+                                            f"{_MANAGER}.shared_write_block",
                                             f"{_MANAGER}.missing_blocks", f"{_MANAGER}.append",
                                             f"{_MANAGER}.can_append", f"{_PARTS}.labkit_can_append"))
 def append_blocks(ns):
