@@ -282,7 +282,7 @@ def async_parity(section: Section, device, quick: bool) -> None:
                                  + "".join(f"; {n} at {place}" for place, n in syncs.most_common(3)))
 
 
-def watch_overlapped_launches(llm) -> "collections.Counter":
+def watch_overlapped_launches(llm) -> collections.Counter:
     """Where (file:line) the model runner's forward and sampling make a synchronizing CUDA call inside an
     overlapped step (torch's sync debug mode): each one makes the host wait for the GPU, undoing the overlap."""
     import warnings

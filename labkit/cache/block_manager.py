@@ -280,8 +280,9 @@ class BlockManager:
 
         The child must start with every token of the parent: the blocks it shares hold (or are about
         to hold, for a parent forked in the step that computes its prompt) the K/V of those tokens. It
-        starts with the parent's block table and cached-token count. Later writes into a shared partial
-        block go through copy-on-write in `append`, which copies the one block the next token lands in.
+        starts with the parent's block table and cached-token count. Later writes into a shared block go
+        through copy-on-write in `append` (`shared_write_indexes`): normally the partial block the next
+        token lands in.
         """
         if not parent.block_table:
             raise ValueError(f"sequence {parent.seq_id!r} holds no blocks to fork")
