@@ -29,6 +29,7 @@ from labkit_course.grading.forbidden import Tripwires, static_violations
 from labkit_course.grading.integrity import COURSE_ROOT
 from labkit_course.grading.remote import receive_frame, send_frame
 from labkit_course.grading.report import _cell, escape, format_table
+from labkit_course.grading.session import ContainedKernel
 
 HOW = "bwrap" if sandbox.bwrap_problem() is None else "none"
 
@@ -297,17 +298,59 @@ def test_killing_a_kernel_takes_its_whole_tree():
     assert not any(_alive(pid) for pid in tree)
 
 
+STARTING_WORKER = """
+import subprocess, time
+end, born, killed = time.monotonic() + 3, 0, 0
+while time.monotonic() < end:
+    born, killed = born + 1, killed + (subprocess.Popen(['sleep', '0.01']).wait() == -9)
+print(born, killed)
+"""
+SPARING_GRADER = f"""
+import subprocess, sys
+from labkit_course.grading import sandbox
+worker = subprocess.Popen([sys.executable, "-c", {STARTING_WORKER!r}], stdout=subprocess.PIPE, text=True)
+while worker.poll() is None:
+    sandbox.kill_descendants(spare={{worker.pid}})
+print(worker.stdout.read())
+"""
+
+
+def test_finishing_one_worker_kills_nothing_another_is_starting():
+    """The grader kills what a finished worker left behind while other workers start kernels: none of
+    their new processes may be taken for a leftover (a class once lost a starting kernel that way)."""
+    done = subprocess.run([sys.executable, "-c", SPARING_GRADER], capture_output=True, text=True, timeout=60)
+    born, killed = map(int, done.stdout.split())
+    assert born > 50 and killed == 0, (born, killed)
+
+
+def test_a_leader_already_reaped_is_not_killed_by_its_old_pid():
+    stranger = subprocess.Popen(["sleep", "1000"])  # stands in for a process given a dead leader's pid
+    reaped = subprocess.Popen(["true"])
+    reaped.wait()
+    reaped.pid = stranger.pid
+    kernel = ContainedKernel(None, sandbox.Limits(), "none", None)
+    kernel.leaders.append(reaped)
+    try:
+        assert kernel.kill() == [] and stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a kernel gets a uid of its own only when grading as root")
 def test_every_process_of_a_kernels_uid_dies_even_detached():
     uid = sandbox.UIDS.take()
-    detached = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], start_new_session=True,
-                                cwd="/")
-    leader = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], cwd="/")
-    assert sandbox.processes_of_uid(uid)
-    assert sandbox.kill_tree(leader.pid, uid) == []
-    for process in (detached, leader):
-        process.wait(timeout=10)
-    assert not any(_alive(pid) for pid in sandbox.processes_of_uid(uid))
+    try:
+        detached = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], start_new_session=True,
+                                    cwd="/")
+        leader = subprocess.Popen(["sleep", "1000"], user=uid, group=uid, extra_groups=[], cwd="/")
+        assert sandbox.processes_of_uid(uid)
+        assert sandbox.kill_tree(leader.pid, uid) == []
+        for process in (detached, leader):
+            process.wait(timeout=10)
+        assert not any(_alive(pid) for pid in sandbox.processes_of_uid(uid))
+    finally:
+        sandbox.UIDS.give_back(uid)
 
 
 def test_numpy_arrays_and_generators_cross_the_codec():

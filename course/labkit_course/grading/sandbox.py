@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,8 +356,10 @@ def processes_of_uid(uid: int) -> list[int]:
     return found
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process under `pid` (by parent links), `pid` included."""
+def descendants(pid: int, spare: Collection[int] = ()) -> set[int]:
+    """Every live process under `pid` (by parent links), `pid` included, but those in `spare` and under
+    them. One reading of /proc answers both: read twice, a process born in between (a kernel starting
+    under a spared worker) would look like no one's and be taken."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -368,7 +371,7 @@ def descendants(pid: int) -> set[int]:
     found, todo = set(), [pid]
     while todo:
         current = todo.pop()
-        if current not in found:
+        if current not in found and current not in spare:
             found.add(current)
             todo += children.get(current, [])
     return found
@@ -383,21 +386,17 @@ def become_subreaper() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def kill_tree(leader: int, uid: int | None = None) -> list[int]:
-    """Kill `leader`, everything under it and every process of `uid`; returns the pids that survived."""
-    return _kill_until_gone(lambda: descendants(leader) | set(processes_of_uid(uid) if uid is not None else []))
+def kill_tree(leader: int | None, uid: int | None = None) -> list[int]:
+    """Kill `leader` (if any), everything under it and every process of `uid`; returns the pids that survived."""
+    return _kill_until_gone(lambda: (descendants(leader) if leader is not None else set()) |
+                            set(processes_of_uid(uid) if uid is not None else []))
 
 
 def kill_descendants(spare: set[int] = frozenset()) -> list[int]:
     """Kill every process under this one (orphans included, for a subreaper) but those in `spare` and
     under them; returns the pids that survived."""
     me = os.getpid()
-
-    def targets() -> set[int]:
-        spared = set().union(*(descendants(p) for p in spare))
-        return descendants(me) - {me} - spared
-
-    return _kill_until_gone(targets)
+    return _kill_until_gone(lambda: descendants(me, spare) - {me})
 
 
 def _kill_until_gone(find) -> list[int]:

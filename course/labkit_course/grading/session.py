@@ -125,7 +125,7 @@ class ContainedKernel:
 
     def __init__(self, workdir: sandbox.Workdir, limits: sandbox.Limits, how: str, uid: int | None):
         self.workdir, self.limits, self.how, self.uid = workdir, limits, how, uid
-        self.leaders: list[int] = []  # every process we launched (a replay starts a second kernel)
+        self.leaders: list[subprocess.Popen] = []  # every process we launched (a replay starts a second kernel)
 
     def client(self, nb: nbformat.NotebookNode) -> _CellClient:
         km = _ContainedKernelManager(transport="ipc", ip=str(self.workdir.channel / "ipc"),
@@ -141,7 +141,7 @@ class ContainedKernel:
         errors = _Tail()  # what the kernel writes to stderr, its last lines kept to say why it failed to start
         client.start_new_kernel(env=sandbox.kernel_env(self.workdir), stdout=subprocess.DEVNULL, stderr=errors.fd)
         errors.listen()
-        self.leaders.append(client.km.provisioner.pid)
+        self.leaders.append(client.km.provisioner.process)
         try:
             client.start_new_kernel_client()  # waits for the kernel's first reply: its sockets exist
         except RuntimeError as error:
@@ -151,8 +151,8 @@ class ContainedKernel:
 
     def kill(self) -> list[int]:
         survivors = []
-        for pid in self.leaders:
-            survivors += sandbox.kill_tree(pid, self.uid)
+        for process in self.leaders:  # one already reaped may have handed its pid on to a stranger
+            survivors += sandbox.kill_tree(process.pid if process.poll() is None else None, self.uid)
         return survivors
 
 
