@@ -41,3 +41,22 @@ def tiny():
     from engine_support import tiny_model_and_tokenizer
 
     return tiny_model_and_tokenizer()
+
+
+@pytest.fixture
+def secret_inputs(monkeypatch):
+    """Graders draw their inputs from a secret here, as when a class is graded; the list counts the seeds
+    they mix with it."""
+    import types
+
+    from labkit_course.grading import core
+
+    draws, blake2b = [], core.hashlib.blake2b
+
+    def counted(*args, **kwargs):
+        draws.append(1)
+        return blake2b(*args, **kwargs)
+
+    monkeypatch.setattr(core, "hashlib", types.SimpleNamespace(blake2b=counted))
+    monkeypatch.setattr(core, "_SECRET", 0x5EC12E7)
+    return draws

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 from grading_support import write_notebook
 
 from labkit_course.grading import sandbox
-from labkit_course.grading.core import exercises
+from labkit_course.grading.core import exercises, get_exercise, run_exercise
 from labkit_course.grading.integrity import COURSE_ROOT
 
 GOOD = "def softmax(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n    return e / e.sum(-1, keepdim=True)"
@@ -236,6 +237,7 @@ def bwrap_class(tmp_path_factory):
                    "def softmax(x):\n    return sm(x, -1)")
     for name, cell in BYPASSES.items():
         write_notebook(klass / name, "00_setup.ipynb", "import torch", cell, WRONG)
+    write_notebook(klass / "precomputer", "00_setup.ipynb", "import torch", PRECOMPUTED)
     # processes and time
     write_notebook(klass / "spawner", "00_setup.ipynb", "import torch", RECORD, RUN, _detached_rewriter(report_dir),
                    SHOW)
@@ -250,6 +252,18 @@ def bwrap_class(tmp_path_factory):
     return {"course": course, "klass": klass, "done": done, "data": data, "students": _students(data) if data else {},
             "survivors": survivors, "elapsed": elapsed, "report": report_dir / "grades.json",
             "victim_hash": victim_hash, "site_packages": site_packages, "left": left}
+
+
+# Answers computed at notebook time (nothing is armed then), for the inputs Lab 00's grader draws from its
+# published seed, and looked up when graded: what a red team did to Lab 06 and Lab 11.
+PRECOMPUTED = ("from torch.nn.functional import softmax as sm\n"
+               "g = torch.Generator().manual_seed(0)\n"
+               "logits = torch.randn(3, 7, generator=g, dtype=torch.float64)\n"
+               "square = torch.randn(4, 4, generator=g, dtype=torch.float64)\n"
+               "spread = logits * 1000 + torch.tensor([[0.0], [3000.0], [-3000.0]], dtype=torch.float64)\n"
+               "key = lambda x: (x.dtype, tuple(x.shape), x.numpy().tobytes())\n"
+               "ANSWERS = {key(x): sm(x, -1) for x in (logits, square, spread, logits.float(), logits[1])}\n"
+               "def softmax(x):\n    return ANSWERS[key(x)].clone()")
 
 
 # The five ways around the tripwires a red team found (issue 29), each in a cell of its own.
@@ -311,6 +325,13 @@ def test_nothing_hidden_can_be_read(bwrap_class):
 
 def test_a_module_written_next_to_the_notebook_shadows_nothing(bwrap_class):
     assert _seen(bwrap_class["students"], "shadower")["planted"] is False
+
+
+def test_answers_computed_ahead_for_the_published_inputs_earn_nothing_when_graded(bwrap_class):
+    namespace = {"torch": torch}
+    exec(PRECOMPUTED, namespace)  # in a notebook's own check the grader draws from the published seed
+    assert run_exercise(get_exercise("00", "softmax"), namespace).passed, "the table should fool the check cell"
+    assert _softmax(bwrap_class["students"], "precomputer")["points"] == 0, "graded, the inputs are secret"
 
 
 def test_half_a_reply_then_silence_costs_that_student_only(bwrap_class):

@@ -44,6 +44,16 @@ def test_correct_answer_gets_full_marks(lab, right):
     assert outcome.passed, outcome.message
 
 
+@pytest.mark.parametrize(("lab", "right"), [pytest.param(lab, r, id=f"{lab}/{r.exercise}")
+                                            for lab, r in {(lab, r.exercise): (lab, r) for lab, r in RIGHT}.values()])
+def test_graded_inputs_come_from_the_secret_and_a_right_answer_passes_on_them(lab, right, secret_inputs):
+    """Graded, no notebook can know the inputs in advance (so none can hand in a table of labkit's answers):
+    every exercise draws them from seeds mixed with the grading run's secret."""
+    outcome = grade(lab, right.exercise, right.answer)
+    assert outcome.passed, outcome.message
+    assert secret_inputs, "nothing was drawn from the secret: every input of this grader is public"
+
+
 def test_every_exercise_has_five_wrong_answers_and_two_right_styles():
     known = {(ex.lab, ex.name) for ex in CATALOGUED}
     wrong = Counter((lab, w.exercise) for lab, w in WRONG if not w.calls)

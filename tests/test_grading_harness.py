@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import nbformat
 import pytest
 import torch
 
-from labkit_course.grading import ExerciseFailed, check, sandbox
+from labkit_course.grading import ExerciseFailed, check, core, sandbox
 from labkit_course.grading.core import Outcome, exercises, get_exercise, run_exercise
 from labkit_course.grading.report import (
     LabReport,
@@ -74,6 +75,22 @@ def test_a_crash_names_the_line_of_the_students_cell():
     exec(compile(cell, "<ipython-input-3-5e1f>", "exec"), namespace)
     outcome = run_exercise(get_exercise("00", "softmax"), namespace)
     assert outcome.message.endswith("(in helper, line 2 of its cell)")  # no source: linecache has no such cell
+
+
+def test_inputs_come_from_the_published_seeds_unless_a_secret_is_kept(monkeypatch):
+    monkeypatch.setattr(core, "_SECRET", 0)  # a notebook's check cells: the seeds published with the course
+    assert core.case_seed(7) == 7 and core.seeded_random(7).random() == random.Random(7).random()
+    assert torch.equal(core.float64_randn(3, seed=7), torch.randn(3, generator=torch.Generator().manual_seed(7),
+                                                                   dtype=torch.float64))
+    core.keep_inputs_secret()  # graded: a fresh secret for each notebook
+    first = core.case_seed(7)
+    assert first != 7 and core.case_seed(7) == first and core.case_seed(8) not in (8, first)
+    core.keep_inputs_secret()
+    assert core.case_seed(7) != first
+    core.keep_inputs_secret(5)
+    again = core.case_seed(7)
+    core.keep_inputs_secret(5)
+    assert core.case_seed(7) == again and 0 <= again < 2**63
 
 
 def test_unknown_exercise_lists_the_labs_exercises():

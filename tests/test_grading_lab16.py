@@ -340,3 +340,9 @@ def test_lab16_graders(name, fn, message):
     outcome = grade(name, fn)
     assert message in outcome.message, outcome.message
     assert outcome.passed == (fn in SOLUTIONS)
+
+
+@pytest.mark.parametrize("fn", sorted(SOLUTIONS, key=lambda fn: fn.__name__), ids=lambda fn: fn.__name__)
+def test_lab16_graded_inputs_come_from_the_secret(fn, secret_inputs):
+    outcome = grade("poisson_arrivals" if fn is poisson_by_inversion else fn.__name__, fn)
+    assert outcome.passed and secret_inputs, outcome.message

@@ -2,8 +2,9 @@
 
 Graders live in `labkit_course.grading.labs.labNN` (outside the notebooks, so students can't edit them).
 Each takes the namespace of the student's notebook, tests the student's own definitions on fresh
-inputs, and either returns a short success message or raises `ExerciseFailed` with a reason that
-names the likely misconception. The same function serves the notebook's check cells (instant
+inputs (drawn through `case_seed`, so that, graded, no notebook knows them in advance), and either
+returns a short success message or raises `ExerciseFailed` with a reason that names the likely
+misconception. The same function serves the notebook's check cells (instant
 feedback, in the notebook's own process) and `make check LABS=...` (the score report, where the
 namespace is a `labkit_course.grading.remote.RemoteNamespace`: the grader runs in the trusted process and
 each call of the student's function is carried out in the student's kernel).
@@ -16,10 +17,14 @@ An exception from the student's code arrives as itself only for NotImplementedEr
 is a `RemoteError` whose `type_name` names the student's exception type.
 """
 
+import contextlib
+import hashlib
 import importlib
 import inspect
 import os
 import pkgutil
+import random
+import secrets
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -156,11 +161,54 @@ def close_at_precision(got, want) -> bool:
     return tensors_close(got, want, atol=1e-9 if getattr(got, "dtype", None) == torch.float64 else 1e-5)
 
 
-def float64_randn(*shape, seed: int):
-    """Fresh float64 inputs, the same on every run of the grader."""
+_SECRET = 0  # mixed into every seed a grader draws its inputs from (see case_seed); 0 mixes nothing
+
+
+def keep_inputs_secret(secret: int | None = None) -> None:
+    """From now on, every grader in this process draws its inputs from seeds mixed with a secret (a fresh one
+    unless given): the trusted side calls this before it grades a notebook, so each notebook gets inputs of
+    its own that no notebook can know in advance."""
+    global _SECRET
+    _SECRET = secrets.randbits(64) | 1 if secret is None else secret
+
+
+def case_seed(seed: int) -> int:
+    """The seed a grader's inputs are drawn from. In a notebook's own check it is `seed`, as published with
+    the course. Graded, it is mixed with the secret: otherwise a notebook could rebuild the inputs ahead of
+    time, run labkit on them while no grader watches, and hand in a table of answers instead of the lesson."""
+    if not _SECRET:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(16, "little", signed=True), key=_SECRET.to_bytes(8, "little"),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seeded_generator(seed: int):
+    """A torch generator seeded with `case_seed(seed)`."""
     import torch
 
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.Generator().manual_seed(case_seed(seed))
+
+
+def seeded_random(seed: int) -> random.Random:
+    """A Python `random.Random` seeded with `case_seed(seed)`."""
+    return random.Random(case_seed(seed))
+
+
+@contextlib.contextmanager
+def naming(call: str):
+    """A failure on a drawn input names it, so the student can reproduce it."""
+    try:
+        yield
+    except ExerciseFailed as failure:
+        raise ExerciseFailed(f"{call}: {failure}") from None
+
+
+def float64_randn(*shape, seed: int):
+    """Fresh float64 inputs drawn from `case_seed(seed)`."""
+    import torch
+
+    return torch.randn(*shape, generator=seeded_generator(seed), dtype=torch.float64)
 
 
 def exercises(lab: str | None = None) -> list[Exercise]:

@@ -23,7 +23,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from labkit_course.grading import plan, rules, sandbox
-from labkit_course.grading.core import Outcome, exercises
+from labkit_course.grading.core import Outcome, exercises, keep_inputs_secret
 from labkit_course.grading.session import NotANotebook, grade_contained, read_notebook
 
 RESULT_BYTES = 16 * 2**20
@@ -141,8 +141,10 @@ def _receive(reader, lab: str, seconds: float) -> Graded:
 
 
 def _work(job: Job, limits: sandbox.Limits, how: str, scratch: Path, writer) -> None:
-    """A worker: grade the notebook, send the result, and kill whatever its kernel left behind."""
+    """A worker: grade the notebook with inputs no notebook can know in advance, send the result, and kill
+    whatever its kernel left behind."""
     sandbox.become_subreaper()
+    keep_inputs_secret()  # a secret of this notebook's own
     try:
         graded = grade_one(job, limits, how, scratch)
         survivors = sandbox.kill_descendants()

@@ -7,6 +7,7 @@ from labkit.tokenizer import Tokenizer, merge_pair, pair_counts, pretokenize, tr
 from labkit.tokenizer.bpe import learned_vocab
 from labkit_course.data import JARGON_FILE, data_path
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
+from labkit_course.grading.core import naming, seeded_random
 
 _CORPUS = data_path(JARGON_FILE)
 
@@ -52,7 +53,7 @@ _PAIR_COUNT_MISTAKES = (
 
 
 def _piece_cases() -> list[dict[tuple[int, ...], int]]:
-    rng = random.Random(1)
+    rng = seeded_random(1)
     random_pieces = [{tuple(_random_ids(rng, rng.randrange(1, 7))): rng.randrange(1, 5) for _ in range(n)}
                      for n in (3, 8, 20)]
     return [{}, {(7,): 3}, {(5, 5, 5): 1}, {(5, 5, 5): 2, (1, 2): 4, (2, 1, 2): 1}, {(1, 2): 3, (3, 1): 2},
@@ -88,7 +89,7 @@ def get_pair_counts(ns):
 @exercise("01", "merge", forbidden=("labkit.tokenizer.merge_pair", "labkit.tokenizer.bpe.merge_pair"))
 def merge(ns):
     fn = require(ns, "merge")
-    rng = random.Random(2)
+    rng = seeded_random(2)
     cases = [([1, 2, 3, 1, 2], (1, 2), 99), ([5, 5, 5], (5, 5), 9), ([1, 2], (2, 1), 9), ([], (1, 2), 9)]
     cases += [(_random_ids(rng, 25, 3), (rng.randrange(3), rng.randrange(3)), 256) for _ in range(5)]
     for ids, pair, new_id in cases:
@@ -150,8 +151,32 @@ _ENCODING = ("labkit.tokenizer.Tokenizer.encode_piece", "labkit.tokenizer.apply_
 @exercise("01", "train_bpe", points=2, forbidden=_TRAINING)
 def train_bpe(ns):
     fn = require(ns, "train_bpe")
-    text = _sample_text(30_000, 6_000)
     num_merges = 40
+    _check_training(fn, _sample_text(30_000, 6_000), num_merges)
+    _stops_when_pairs_run_out(fn)
+    for text, asked in _small_corpora():
+        with naming(f"train_bpe({text!r}, {asked})"):
+            _check_training(fn, text, asked)
+    return f"learns the same {num_merges} merges as labkit.tokenizer.train, and stops when no pair is left"
+
+
+def _small_corpora() -> list[tuple[str, int]]:
+    """Fresh corpora over a small alphabet (é is two bytes), so pairs repeat and merges build on merges. Every
+    distinct word is a piece that ends as one token, so each corpus has more merges to give than are asked."""
+    rng = seeded_random(103)
+    corpora = []
+    for distinct in (8, 12):
+        words = set()
+        while len(words) < distinct:
+            words.add("".join(rng.choices("abcdé", k=rng.randint(2, 6))))
+        words = sorted(words)
+        text = words + rng.choices(words, weights=[1 / rank for rank in range(1, distinct + 1)], k=3 * distinct)
+        rng.shuffle(text)
+        corpora.append((" ".join(text), rng.randint(distinct // 2, distinct)))
+    return corpora
+
+
+def _check_training(fn, text, num_merges):
     learned = fn(text, num_merges)
     if isinstance(learned, dict) and len(learned) <= 1:
         raise ExerciseFailed(f"{len(learned)} distinct pair(s) learned in {num_merges} merges: the pieces must be "
@@ -159,8 +184,7 @@ def train_bpe(ns):
     got = _merges_as_list(learned)
     expected = train(text, 256 + num_merges).merges
     if got == expected:
-        _stops_when_pairs_run_out(fn)
-        return f"learns the same {num_merges} merges as labkit.tokenizer.train, and stops when no pair is left"
+        return
     if len(got) != num_merges:
         raise ExerciseFailed(f"asked for {num_merges} merges, got {len(got)}")
     if got == _train_without_pretokenizing(text, num_merges):
@@ -226,31 +250,49 @@ def _train_without_pretokenizing(text, num_merges):
 @exercise("01", "bpe_encode", points=2, forbidden=_ENCODING)
 def bpe_encode(ns):
     fn = require(ns, "bpe_encode")
-    merges = train(_sample_text(0, 20_000), 256 + 120).merges
+    merges = train(_sample_text(0, 20_000), 256 + 120).merges  # learned from the corpus's first 20,000 characters
     merges_dict = {pair: 256 + rank for rank, pair in enumerate(merges)}
     reference = Tokenizer(learned_vocab(merges), merges, "gpt2")
     texts = ["", "a", "hello world", "naïve café 😀, 12345!!", "don'the  the   in", _sample_text(200_000, 600)]
     for text in texts:
-        got = fn(text, dict(merges_dict))
-        expected = reference.encode(text)
-        if not isinstance(got, list):
-            raise ExerciseFailed(f"return a list of ids, got a {type(got).__name__}")
-        if got == expected:
-            continue
-        if got == list(text.encode("utf-8")):
-            raise ExerciseFailed("no merge was applied: the ids are just the UTF-8 bytes")
-        for mistaken_encode, why in _ENCODE_MISTAKES:
-            if got == mistaken_encode(text, merges_dict):
-                raise ExerciseFailed(why)
-        at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
-                  min(len(got), len(expected)))
-        if at == len(got):
-            raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) gave {len(got)} ids, expected {len(expected)}: the "
-                                 f"first {at} are right, then yours stop (next expected: {expected[at:at + 6]})")
-        raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) differs from labkit's at position {at} (of "
-                             f"{len(expected)} ids): expected ...{expected[max(at - 2, 0):at + 6]}..., got "
-                             f"...{got[max(at - 2, 0):at + 6]}...")
+        _check_encoding(fn, text, merges_dict, reference)
+    for text in _unseen_texts():
+        with naming(f"bpe_encode({text!r}, the {len(merges)} merges learned from {JARGON_FILE}[:20_000])"):
+            _check_encoding(fn, text, merges_dict, reference)
     return "same ids as labkit's tokenizer with your merges"
+
+
+def _unseen_texts() -> list[str]:
+    """Fresh text the merges were not learned on: two passages of the corpus, and its words rejoined with runs of
+    spaces, newlines, contractions and punctuation, where the piece boundaries fall differently."""
+    rng = seeded_random(104)
+    corpus = _sample_text(rng.randrange(20_000, 890_000), 60_000)
+    passages = [corpus[offset:offset + rng.randint(60, 160)] for offset in (0, 30_000)]
+    words = [word for word in corpus.split() if word.isalpha()]
+    jumble = "".join(rng.choice(words) + rng.choice((" ", "  ", "\n", "'s ", ", ", "!! ", " 42 ")) for _ in range(14))
+    return [*passages, jumble]
+
+
+def _check_encoding(fn, text, merges_dict, reference):
+    got = fn(text, dict(merges_dict))
+    expected = reference.encode(text)
+    if not isinstance(got, list):
+        raise ExerciseFailed(f"return a list of ids, got a {type(got).__name__}")
+    if got == expected:
+        return
+    if got == list(text.encode("utf-8")):
+        raise ExerciseFailed("no merge was applied: the ids are just the UTF-8 bytes")
+    for mistaken_encode, why in _ENCODE_MISTAKES:
+        if got == mistaken_encode(text, merges_dict):
+            raise ExerciseFailed(why)
+    at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+              min(len(got), len(expected)))
+    if at == len(got):
+        raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) gave {len(got)} ids, expected {len(expected)}: the "
+                             f"first {at} are right, then yours stop (next expected: {expected[at:at + 6]})")
+    raise ExerciseFailed(f"bpe_encode({text[:40]!r}...) differs from labkit's at position {at} (of "
+                         f"{len(expected)} ids): expected ...{expected[max(at - 2, 0):at + 6]}..., got "
+                         f"...{got[max(at - 2, 0):at + 6]}...")
 
 
 def _encode_without_pretokenizing(text, merges_dict):

@@ -5,16 +5,25 @@ import functools
 import math
 
 from labkit_course.grading import ExerciseFailed, exercise, expect_value_error, raised_type, require
+from labkit_course.grading.core import naming, seeded_random
 
 _CONFIGS = [  # (layers, kv_heads, head_dim, seq_len, batch, dtype_bytes), each factor distinct
     (30, 3, 64, 777, 5, 4),
     (32, 8, 128, 2048, 3, 2),
     (7, 5, 96, 33, 11, 1),
 ]
+_KV_ARGS = ("num_layers", "num_kv_heads", "head_dim", "seq_len", "batch_size", "dtype_bytes")  # in that order
 
 
 def _kv_bytes(layers, kv_heads, head_dim, seq_len, batch, dtype_bytes):
     return 2 * layers * kv_heads * head_dim * seq_len * batch * dtype_bytes
+
+
+def _drawn_kv_configs() -> list[tuple[int, ...]]:
+    """Fresh configurations at real models' scale: GQA's few KV heads, long contexts, int8/bf16/fp32 caches."""
+    rng = seeded_random(201)
+    return [(rng.randint(12, 80), rng.choice((1, 2, 4, 8, 16)), rng.choice((64, 80, 96, 128, 256)),
+             rng.randint(1, 32_768), rng.randint(1, 64), rng.choice((1, 2, 4))) for _ in range(3)]
 
 
 # A wrong formula is named only when it explains every configuration (so a hard-coded dtype size is not
@@ -37,24 +46,25 @@ _KV_MISTAKES = (
 @exercise("02", "kv_cache_bytes", forbidden=("labkit_course.grading.labs.lab02._kv_bytes",))
 def kv_cache_bytes(ns):
     fn = require(ns, "kv_cache_bytes")
+    configs = [*_CONFIGS, *_drawn_kv_configs()]
     answers = []
-    for cfg in _CONFIGS:
-        layers, kv_heads, head_dim, seq_len, batch, dtype_bytes = cfg
-        got = fn(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len,
-                 batch_size=batch, dtype_bytes=dtype_bytes)
+    for cfg in configs:
+        got = fn(**dict(zip(_KV_ARGS, cfg, strict=True)))
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise ExerciseFailed(f"return a number of bytes, got {type(got).__name__}")
         answers.append(got)
-    if all(got == _kv_bytes(*cfg) for got, cfg in zip(answers, _CONFIGS, strict=True)):
+    if all(got == _kv_bytes(*cfg) for got, cfg in zip(answers, configs, strict=True)):
         if any(isinstance(got, float) for got in answers):
             raise ExerciseFailed("bytes are a whole number: return an int (use // or int(), not /, and no "
                                  "float factors)")
         return "2 x layers x kv_heads x head_dim x seq_len x batch x bytes"
     for mistake, why in _KV_MISTAKES:
-        if all(abs(got / mistake(cfg) - 1) < 1e-9 for got, cfg in zip(answers, _CONFIGS, strict=True)):
+        if all(abs(got / mistake(cfg) - 1) < 1e-9 for got, cfg in zip(answers, configs, strict=True)):
             raise ExerciseFailed(why)
-    got, cfg = next((got, cfg) for got, cfg in zip(answers, _CONFIGS, strict=True) if got != _kv_bytes(*cfg))
-    raise ExerciseFailed(f"{got} bytes for {cfg}, expected 2 x L x H_kv x D_h x S x B x bytes = {_kv_bytes(*cfg)}")
+    got, cfg = next((got, cfg) for got, cfg in zip(answers, configs, strict=True) if got != _kv_bytes(*cfg))
+    call = ", ".join(f"{name}={value}" for name, value in zip(_KV_ARGS, cfg, strict=True))
+    raise ExerciseFailed(f"{got} bytes for kv_cache_bytes({call}), expected 2 x L x H_kv x D_h x S x B x bytes = "
+                         f"{_kv_bytes(*cfg)}")
 
 
 def _intensity(m, k, n, b):
@@ -79,22 +89,31 @@ _INTENSITY_MISTAKES = (
 _SHAPES = ((1, 4096, 4096, 2), (512, 4096, 11008, 2), (7, 300, 50, 4))
 
 
+def _drawn_shapes() -> list[tuple[int, int, int, int]]:
+    """Fresh [m, k] @ [k, n] products as in a transformer: m tokens from one (decode) to thousands (prefill)
+    against weight matrices a multiple of 64 wide, in int8, bf16 or fp32."""
+    rng = seeded_random(202)
+    return [(rng.choice((1, rng.randint(2, 64), rng.randint(65, 8192))), 64 * rng.randint(8, 256),
+             64 * rng.randint(8, 256), rng.choice((1, 2, 4))) for _ in range(3)]
+
+
 @exercise("02", "matmul_intensity", forbidden=("labkit_course.grading.labs.lab02._intensity",))
 def matmul_intensity(ns):
     fn = require(ns, "matmul_intensity")
+    shapes = [*_SHAPES, *_drawn_shapes()]
     answers = []
-    for shape in _SHAPES:
+    for shape in shapes:
         got = fn(*shape)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise ExerciseFailed(f"return a number (FLOPs per byte), got {type(got).__name__}")
         answers.append(got)
-    if all(abs(got / _intensity(*shape) - 1) < 1e-9 for got, shape in zip(answers, _SHAPES, strict=True)):
+    if all(abs(got / _intensity(*shape) - 1) < 1e-9 for got, shape in zip(answers, shapes, strict=True)):
         return "2mkn FLOPs over (mk + kn + mn) * bytes moved"
     for mistake, why in _INTENSITY_MISTAKES:
         if all(abs(got - mistake(*shape)) <= 1e-9 * abs(mistake(*shape))
-               for got, shape in zip(answers, _SHAPES, strict=True)):
+               for got, shape in zip(answers, shapes, strict=True)):
             raise ExerciseFailed(why)
-    got, (m, k, n, b) = next((got, shape) for got, shape in zip(answers, _SHAPES, strict=True)
+    got, (m, k, n, b) = next((got, shape) for got, shape in zip(answers, shapes, strict=True)
                              if abs(got / _intensity(*shape) - 1) >= 1e-9)
     raise ExerciseFailed(f"intensity({m}, {k}, {n}, {b}) = {got}, expected "
                          f"2mkn / ((mk + kn + mn) * bytes) = {_intensity(m, k, n, b):.4f}")
@@ -176,6 +195,22 @@ _PARAM_CONFIGS = (  # fresh shapes, each breaking one shortcut: untied head, hea
 )
 
 
+def _drawn_param_configs() -> list[dict]:
+    """Fresh models of today's shapes: GQA groups, head_dim x num_heads that may differ from hidden_size, SwiGLU
+    widths of 2-4 x hidden_size, tied or untied heads, with or without q/k norms."""
+    rng = seeded_random(205)
+    configs = []
+    for _ in range(2):
+        kv_heads, head_dim = rng.choice((2, 4, 8)), rng.choice((32, 64, 80, 128))
+        heads = kv_heads * rng.choice((1, 2, 3, 4))
+        hidden = heads * head_dim if rng.random() < 0.5 else 64 * rng.randint(8, 64)
+        configs.append(dict(vocab_size=rng.randint(1_000, 160_000), hidden_size=hidden,
+                            intermediate_size=64 * rng.randint(hidden // 32, hidden // 16),
+                            num_layers=rng.randint(2, 40), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                            tie_word_embeddings=rng.random() < 0.5, qk_norm=rng.random() < 0.5))
+    return configs
+
+
 def _component_mistake(key: str, got: int, cfg: dict, right: int) -> str | None:
     """The misconception that explains a wrong count of one component, if a known one does."""
     d, layers, head_dim = cfg["hidden_size"], cfg["num_layers"], cfg["head_dim"]
@@ -235,6 +270,9 @@ def parameter_counts(ns):
         _check_counts(fn(given), cfg, _component_counts(cfg), "a fresh configuration")
     smol, from_file = _smollm2_case()
     _check_counts(fn(dict(smol)), smol, from_file, "SmolLM2 (the GGUF file's tensor shapes)")
+    for cfg in _drawn_param_configs():
+        with naming(f"parameter_counts({cfg})"):
+            _check_counts(fn(dict(cfg)), cfg, _component_counts(cfg), "this configuration")
     return "every component, GQA and a tied head included; SmolLM2's counts match its GGUF's tensors"
 
 
@@ -296,32 +334,53 @@ def _decode_mistake(got, cfg, num_params, contexts, b) -> str | None:
     return None
 
 
+def _drawn_decode_cases() -> list[tuple]:
+    """Fresh decode steps: a GQA model at a real size, a batch of up to 12 sequences each at its own context (now
+    and then a fresh one at 0), in int8, bf16 or fp32."""
+    rng = seeded_random(206)
+    cases = []
+    for _ in range(3):
+        kv_heads = rng.choice((1, 2, 4, 8))
+        cfg = dict(num_layers=rng.randint(12, 64), num_heads=kv_heads * rng.choice((2, 3, 4, 8)),
+                   num_kv_heads=kv_heads, head_dim=rng.choice((64, 96, 128)))
+        contexts = [0 if rng.random() < 0.2 else rng.randint(1, 32_768) for _ in range(rng.randint(1, 12))]
+        cases.append((cfg, rng.randint(100, 70_000) * 10**6, contexts, rng.choice((1, 2, 4))))
+    return cases
+
+
 @exercise("02", "decode_intensity", forbidden=("labkit_course.grading.labs.lab02._decode_cost",))
 def decode_intensity(ns):
     fn = require(ns, "decode_intensity")
-    for cfg, num_params, contexts, b in _DECODE_CASES:
-        try:
-            got = fn(dict(cfg), num_params, list(contexts), b)
-        except Exception as error:
-            if 0 not in contexts or raised_type(error) != "ValueError":
-                raise
-            raise ExerciseFailed(f"contexts {contexts} raised {raised_type(error)}: a context of 0 is a sequence "
-                                 "with an empty cache (its first step), valid; only a negative context is an "
-                                 "error") from None
-        if not isinstance(got, dict) or set(got) != {"flops", "weight_bytes", "kv_bytes", "intensity"}:
-            raise ExerciseFailed("return a dict with keys 'flops', 'weight_bytes', 'kv_bytes' and 'intensity'")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in got.values()):
-            raise ExerciseFailed("every value should be a finite number")
-        right = _decode_cost(cfg, num_params, contexts, b)
-        if any(abs(got[key] - right[key]) > 1e-9 * max(abs(right[key]), 1) for key in right):
-            why = _decode_mistake(got, cfg, num_params, contexts, b)
-            wrong = next(key for key in right if abs(got[key] - right[key]) > 1e-9 * max(abs(right[key]), 1))
-            raise ExerciseFailed(why or f"'{wrong}' is {got[wrong]:,} for contexts {contexts}, expected "
-                                        f"{right[wrong]:,}")
+    for case in _DECODE_CASES:
+        _check_decode(fn, *case)
+    for cfg, num_params, contexts, b in _drawn_decode_cases():
+        with naming(f"decode_intensity({cfg}, {num_params}, {contexts}, {b})"):
+            _check_decode(fn, cfg, num_params, contexts, b)
     for contexts, what in (([], "an empty batch"), ([4, -1], "a negative context")):
         expect_value_error(lambda contexts=contexts: fn(dict(_DECODE_CASES[2][0]), 50_000, contexts, 2), what,
                            "a decode step needs at least one sequence, and a context cannot be negative")
     return "weights read once per batch, K/V once per sequence, at each sequence's own length"
+
+
+def _check_decode(fn, cfg, num_params, contexts, b):
+    try:
+        got = fn(dict(cfg), num_params, list(contexts), b)
+    except Exception as error:
+        if 0 not in contexts or raised_type(error) != "ValueError":
+            raise
+        raise ExerciseFailed(f"contexts {contexts} raised {raised_type(error)}: a context of 0 is a sequence "
+                             "with an empty cache (its first step), valid; only a negative context is an "
+                             "error") from None
+    if not isinstance(got, dict) or set(got) != {"flops", "weight_bytes", "kv_bytes", "intensity"}:
+        raise ExerciseFailed("return a dict with keys 'flops', 'weight_bytes', 'kv_bytes' and 'intensity'")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in got.values()):
+        raise ExerciseFailed("every value should be a finite number")
+    right = _decode_cost(cfg, num_params, contexts, b)
+    if any(abs(got[key] - right[key]) > 1e-9 * max(abs(right[key]), 1) for key in right):
+        why = _decode_mistake(got, cfg, num_params, contexts, b)
+        wrong = next(key for key in right if abs(got[key] - right[key]) > 1e-9 * max(abs(right[key]), 1))
+        raise ExerciseFailed(why or f"'{wrong}' is {got[wrong]:,} for contexts {contexts}, expected "
+                                    f"{right[wrong]:,}")
 
 
 # --- the roofline, and the batch at which decode stops being memory-bound ----------------------------------
@@ -343,52 +402,73 @@ _ROOF_MISTAKES = (
 )
 
 
+def _drawn_machines() -> list[tuple[float, float, tuple[float, ...]]]:
+    """Fresh accelerators (peak FLOP/s, bandwidth) with intensities drawn on both sides of their ridge, at four
+    significant digits so the feedback shows them exactly. None sits on the ridge itself: the fixed machines
+    test it where floats land on it exactly, and a drawn one would test float rounding instead."""
+    rng = seeded_random(203)
+    machines = []
+    for _ in range(3):
+        peak, bandwidth = rng.randint(20, 2000) * 1e12, rng.randint(5, 80) * 1e11
+        ridge = peak / bandwidth
+        sides = (rng.uniform(0.05, 0.9), rng.uniform(1.1, 3), rng.uniform(3, 100))
+        machines.append((peak, bandwidth, (0.0, *(float(f"{ridge * side:.4g}") for side in sides))))
+    return machines
+
+
 @exercise("02", "roofline", forbidden=("labkit_course.grading.labs.lab02._roofline",))
 def roofline(ns):
     fn = require(ns, "roofline")
     for peak, bandwidth in _MACHINES:
         ridge = peak / bandwidth
         exact_ridge = (ridge,) if ridge * bandwidth == peak else ()  # where floats can land on it exactly
-        intensities = (0.0, 0.5, ridge / 3, *exact_ridge, ridge * 4, 1e6)
-        answers = []
-        for intensity in intensities:
-            try:
-                got = fn(intensity, peak, bandwidth)
-            except Exception as error:
-                if intensity or raised_type(error) != "ValueError":
-                    raise
-                raise ExerciseFailed(f"an intensity of 0 raised {raised_type(error)}: only a negative intensity is an "
-                                     "error; 0 FLOP/byte attains 0 FLOP/s (memory-bound)") from None
-            if not (isinstance(got, tuple) and len(got) == 2):
-                raise ExerciseFailed("return a pair: (attainable FLOP/s, 'memory' or 'compute')")
-            if isinstance(got[0], bool) or not isinstance(got[0], (int, float)) or not math.isfinite(got[0]):
-                raise ExerciseFailed(f"the attainable FLOP/s should be a finite number, got {got[0]!r}")
-            answers.append(got)
-
-        def explains(formula, answers=answers, intensities=intensities, peak=peak, bandwidth=bandwidth):
-            return all(abs(got - formula(i, peak, bandwidth)) <= 1e-9 * peak
-                       for (got, _), i in zip(answers, intensities, strict=True))
-
-        if not explains(lambda i, p, w: _roofline(i, p, w)[0]):
-            why = next((why for formula, why in _ROOF_MISTAKES if explains(formula)), None)
-            got, intensity = next((got, i) for (got, _), i in zip(answers, intensities, strict=True)
-                                  if abs(got - _roofline(i, peak, bandwidth)[0]) > 1e-9 * peak)
-            raise ExerciseFailed(why or f"attainable FLOP/s at intensity {intensity:g} on a {peak:g} FLOP/s, "
-                                        f"{bandwidth:g} B/s machine: {got:g}, expected "
-                                        f"{_roofline(intensity, peak, bandwidth)[0]:g}")
-        for (_, bound), intensity in zip(answers, intensities, strict=True):
-            want_bound = _roofline(intensity, peak, bandwidth)[1]
-            if bound not in ("memory", "compute"):
-                raise ExerciseFailed(f"the bound should be 'memory' or 'compute', got {bound!r}")
-            if bound != want_bound:
-                if intensity == ridge:
-                    raise ExerciseFailed("at the ridge point itself the machine reaches its peak: call it 'compute'")
-                raise ExerciseFailed(f"intensity {intensity:g} is {'below' if intensity < ridge else 'above'} the "
-                                     f"ridge ({ridge:g} FLOP/byte): it is {want_bound}-bound, not {bound}-bound")
+        _check_roofline(fn, peak, bandwidth, (0.0, 0.5, ridge / 3, *exact_ridge, ridge * 4, 1e6))
+    for peak, bandwidth, intensities in _drawn_machines():
+        with naming(f"on a {peak:g} FLOP/s, {bandwidth:g} B/s machine"):
+            _check_roofline(fn, peak, bandwidth, intensities)
     expect_value_error(lambda: fn(10.0, 100.0, 0.0), "a bandwidth of 0")
     expect_value_error(lambda: fn(10.0, -1.0, 10.0), "a negative peak")
     expect_value_error(lambda: fn(-2.0, 100.0, 10.0), "a negative intensity")
     return "min(peak, intensity x bandwidth); compute-bound from the ridge point on"
+
+
+def _check_roofline(fn, peak, bandwidth, intensities):
+    ridge = peak / bandwidth
+    answers = []
+    for intensity in intensities:
+        try:
+            got = fn(intensity, peak, bandwidth)
+        except Exception as error:
+            if intensity or raised_type(error) != "ValueError":
+                raise
+            raise ExerciseFailed(f"an intensity of 0 raised {raised_type(error)}: only a negative intensity is an "
+                                 "error; 0 FLOP/byte attains 0 FLOP/s (memory-bound)") from None
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise ExerciseFailed("return a pair: (attainable FLOP/s, 'memory' or 'compute')")
+        if isinstance(got[0], bool) or not isinstance(got[0], (int, float)) or not math.isfinite(got[0]):
+            raise ExerciseFailed(f"the attainable FLOP/s should be a finite number, got {got[0]!r}")
+        answers.append(got)
+
+    def explains(formula):
+        return all(abs(got - formula(i, peak, bandwidth)) <= 1e-9 * peak
+                   for (got, _), i in zip(answers, intensities, strict=True))
+
+    if not explains(lambda i, p, w: _roofline(i, p, w)[0]):
+        why = next((why for formula, why in _ROOF_MISTAKES if explains(formula)), None)
+        got, intensity = next((got, i) for (got, _), i in zip(answers, intensities, strict=True)
+                              if abs(got - _roofline(i, peak, bandwidth)[0]) > 1e-9 * peak)
+        raise ExerciseFailed(why or f"attainable FLOP/s at intensity {intensity:g} on a {peak:g} FLOP/s, "
+                                    f"{bandwidth:g} B/s machine: {got:g}, expected "
+                                    f"{_roofline(intensity, peak, bandwidth)[0]:g}")
+    for (_, bound), intensity in zip(answers, intensities, strict=True):
+        want_bound = _roofline(intensity, peak, bandwidth)[1]
+        if bound not in ("memory", "compute"):
+            raise ExerciseFailed(f"the bound should be 'memory' or 'compute', got {bound!r}")
+        if bound != want_bound:
+            if intensity == ridge:
+                raise ExerciseFailed("at the ridge point itself the machine reaches its peak: call it 'compute'")
+            raise ExerciseFailed(f"intensity {intensity:g} is {'below' if intensity < ridge else 'above'} the "
+                                 f"ridge ({ridge:g} FLOP/byte): it is {want_bound}-bound, not {bound}-bound")
 
 
 def _critical_batch(cfg, num_params, context, peak_flops, bandwidth, dtype_bytes=2, max_batch=4096):
@@ -414,49 +494,71 @@ _BATCH_CASES = (  # (config, num_params, context, peak, bandwidth, dtype_bytes, 
 )
 
 
+def _drawn_batch_cases() -> list[tuple]:
+    """Fresh models, contexts and accelerators, in the shape of _BATCH_CASES: where the K/V reads of a long context
+    cap the intensity below the ridge, the answer is None; elsewhere a batch that max_batch may or may not reach."""
+    rng = seeded_random(204)
+    cases = []
+    for _ in range(4):
+        kv_heads = rng.choice((1, 2, 4, 8))
+        cfg = dict(num_layers=rng.randint(16, 64), num_heads=kv_heads * rng.choice((1, 2, 4, 8)),
+                   num_kv_heads=kv_heads, head_dim=rng.choice((64, 128)))
+        cases.append((cfg, rng.randint(100, 70_000) * 10**6, rng.randint(0, 8192), rng.randint(100, 2000) * 1e12,
+                      rng.randint(10, 80) * 1e11, rng.choice((1, 2)), rng.choice((64, 512, 4096))))
+    return cases
+
+
 @exercise("02", "critical_batch", forbidden=("labkit_course.grading.labs.lab02._critical_batch",
                                              "labkit_course.grading.labs.lab02._decode_cost"))
 def critical_batch(ns):
     fn = require(ns, "critical_batch")
-    for cfg, num_params, context, peak, bandwidth, b, max_batch in _BATCH_CASES:
-        got = fn(dict(cfg), num_params, context, peak, bandwidth, b, max_batch)
-        want = _critical_batch(cfg, num_params, context, peak, bandwidth, b, max_batch)
-        if got == want and type(got) is type(want):
-            continue
-        where = f"context {context}, ridge {peak / bandwidth:g} FLOP/byte, max_batch {max_batch}"
-        if want is None:
-            if got == max_batch:
-                raise ExerciseFailed(f"{where}: no batch up to max_batch is compute-bound: return None, "
-                                     "not max_batch")
-            if got in (0, -1, float("inf")):
-                raise ExerciseFailed(f"{where}: return None (not {got!r}) when no batch is compute-bound")
-            if isinstance(got, int) and got > max_batch:
-                raise ExerciseFailed(f"{where}: {got} is above max_batch: search only up to max_batch, else None")
-        weights_only = math.ceil(peak / bandwidth * b / 2 - 1e-9)  # the batch that only shares the weight reads
-        if want is not None and isinstance(got, int) and not isinstance(got, bool):
-            if got == want - 1:
-                raise ExerciseFailed(f"{where}: {got} is the largest memory-bound batch; return the smallest "
-                                     "compute-bound one")
-            if want > 1 and got == want + 1:
-                raise ExerciseFailed(f"{where}: {got} is one too many: the ridge itself counts as compute-bound (>=)")
-        if got in (weights_only, weights_only + 1):
-            raise ExerciseFailed(f"{where}: the K/V reads were left out (that batch only shares the weights): each "
-                                 "sequence also reads its own cache, which pulls the intensity down")
-        if got is None and want == max_batch:
-            raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound: max_batch itself may be the "
-                                 "answer (B <= max_batch), so search up to and including it")
-        if got is None and not context:
-            raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound: a context of 0 (sequences "
-                                 "with empty caches) is valid")
-        if got == _critical_batch({**cfg, "num_kv_heads": cfg["num_heads"]}, num_params, context, peak, bandwidth,
-                                  b, max_batch):
-            raise ExerciseFailed(f"{where}: got {got!r}, expected {want!r}: K/V bytes counted with num_heads; only "
-                                 "num_kv_heads heads are cached (GQA)")
-        if want is None:
-            raise ExerciseFailed(f"{where}: got {got!r}; no batch up to max_batch reaches the ridge, expected None")
-        if got is None:
-            raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound")
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseFailed(f"{where}: return a batch size as an int (or None if there is none), got {got!r}")
-        raise ExerciseFailed(f"{where}: got batch {got}, expected {want}")
+    for case in _BATCH_CASES:
+        _check_critical_batch(fn, *case)
+    for case in _drawn_batch_cases():
+        cfg, num_params, context, peak, bandwidth, b, max_batch = case
+        with naming(f"critical_batch({cfg}, {num_params}, {context}, {peak:g}, {bandwidth:g}, {b}, {max_batch})"):
+            _check_critical_batch(fn, *case)
     return "the smallest compute-bound batch, or None where the K/V reads keep decode below the ridge"
+
+
+def _check_critical_batch(fn, cfg, num_params, context, peak, bandwidth, b, max_batch):
+    got = fn(dict(cfg), num_params, context, peak, bandwidth, b, max_batch)
+    want = _critical_batch(cfg, num_params, context, peak, bandwidth, b, max_batch)
+    if got == want and type(got) is type(want):
+        return
+    where = f"context {context}, ridge {peak / bandwidth:g} FLOP/byte, max_batch {max_batch}"
+    if want is None:
+        if got == max_batch:
+            raise ExerciseFailed(f"{where}: no batch up to max_batch is compute-bound: return None, "
+                                 "not max_batch")
+        if got in (0, -1, float("inf")):
+            raise ExerciseFailed(f"{where}: return None (not {got!r}) when no batch is compute-bound")
+        if isinstance(got, int) and got > max_batch:
+            raise ExerciseFailed(f"{where}: {got} is above max_batch: search only up to max_batch, else None")
+    weights_only = math.ceil(peak / bandwidth * b / 2 - 1e-9)  # the batch that only shares the weight reads
+    if want is not None and isinstance(got, int) and not isinstance(got, bool):
+        if got == want - 1:
+            raise ExerciseFailed(f"{where}: {got} is the largest memory-bound batch; return the smallest "
+                                 "compute-bound one")
+        if want > 1 and got == want + 1:
+            raise ExerciseFailed(f"{where}: {got} is one too many: the ridge itself counts as compute-bound (>=)")
+    if got in (weights_only, weights_only + 1):
+        raise ExerciseFailed(f"{where}: the K/V reads were left out (that batch only shares the weights): each "
+                             "sequence also reads its own cache, which pulls the intensity down")
+    if got is None and want == max_batch:
+        raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound: max_batch itself may be the "
+                             "answer (B <= max_batch), so search up to and including it")
+    if got is None and not context:
+        raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound: a context of 0 (sequences "
+                             "with empty caches) is valid")
+    if got == _critical_batch({**cfg, "num_kv_heads": cfg["num_heads"]}, num_params, context, peak, bandwidth,
+                              b, max_batch):
+        raise ExerciseFailed(f"{where}: got {got!r}, expected {want!r}: K/V bytes counted with num_heads; only "
+                             "num_kv_heads heads are cached (GQA)")
+    if want is None:
+        raise ExerciseFailed(f"{where}: got {got!r}; no batch up to max_batch reaches the ridge, expected None")
+    if got is None:
+        raise ExerciseFailed(f"{where}: got None, but batch {want} is compute-bound")
+    if isinstance(got, bool) or not isinstance(got, int):
+        raise ExerciseFailed(f"{where}: return a batch size as an int (or None if there is none), got {got!r}")
+    raise ExerciseFailed(f"{where}: got batch {got}, expected {want}")

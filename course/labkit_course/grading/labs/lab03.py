@@ -234,13 +234,23 @@ def multi_head_attention(ns):
     return "split into heads, causal attention per head, merged and projected by W_O"
 
 
+def _leading_elsewhere(n, d, vocab, seed):
+    """(layer_output, W_LM, logits) whose best token overall is not the last position's (where there are two
+    positions), so an argmax over every position shows; drawn again until it is."""
+    while True:
+        layer_output, w_lm = _random(n, d, seed=seed), _random(d, vocab, seed=seed + 1)
+        layer_output[0] *= 10  # the first position's logits dwarf the rest: its best token usually leads overall
+        logits = layer_output @ w_lm
+        if n == 1 or int(logits.argmax()) % vocab != int(logits[-1].argmax()):
+            return layer_output, w_lm, logits
+        seed += 1000
+
+
 @exercise("03", "next_token")
 def next_token(ns):
     fn = require(ns, "next_token")
     for n, d, vocab, seed in ((3, 4, 7, 50), (1, 5, 11, 51), (6, 3, 5, 52)):
-        layer_output, w_lm = _random(n, d, seed=seed), _random(d, vocab, seed=seed + 1)
-        layer_output[0] *= 10  # the first position's logits dwarf the rest, so its best token leads overall
-        logits = layer_output @ w_lm
+        layer_output, w_lm, logits = _leading_elsewhere(n, d, vocab, seed)
         got = fn(layer_output.clone(), w_lm)
         if not (isinstance(got, tuple) and len(got) == 2):
             raise ExerciseFailed("return a pair: (the next token's id, the last position's probabilities)")
@@ -263,7 +273,7 @@ def next_token(ns):
         _expect_float64(probs, "the probabilities")
         if not _close(probs, logits[-1].softmax(-1)):
             raise ExerciseFailed("the probabilities differ from softmax(layer_output[-1] @ W_LM)")
-        overall = {int(logits.argmax()) % vocab, int(logits.max(0).values.argmax())}
+        overall = {int(logits.argmax()), int(logits.argmax()) % vocab, int(logits.max(0).values.argmax())}
         if token in overall and token != int(logits[-1].argmax()):
             raise ExerciseFailed("argmax over every position's logits (flattened, or the best of each column): "
                                  "only the last position chooses the next token, so take it over the last row only")

@@ -12,6 +12,7 @@ from labkit.model.generate import step_metadata
 from labkit.model.layers import MLP, DecoderLayer, rope_cos_sin, rope_inv_freq
 from labkit.model.layers import apply_rotary as ref_rotary
 from labkit_course.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require, tensors_close
+from labkit_course.grading.core import seeded_generator
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------
 
@@ -24,7 +25,7 @@ def _rms(x, w, eps):
                                          "torch.nn.RMSNorm.forward", "labkit_course.grading.labs.lab05._rms"))
 def rms_norm(ns):
     fn = require(ns, "rms_norm")
-    g = torch.Generator().manual_seed(50)
+    g = seeded_generator(50)
     x, w = torch.randn(5, 16, generator=g), torch.rand(16, generator=g) + 0.5
     x[0] = 0.0  # an all-zero row: only eps keeps it finite
     eps = 0.1  # large, so where eps goes shows
@@ -80,7 +81,7 @@ def _rotary(x, positions, theta, *, interleaved=False, sign=1.0, exponent=2):
                                              "labkit_course.grading.labs.lab05._rotary"))
 def apply_rotary(ns):
     fn = require(ns, "apply_rotary")
-    g = torch.Generator().manual_seed(51)
+    g = seeded_generator(51)
     for theta in (10000.0, 100000.0):
         x = torch.randn(6, 3, 8, generator=g)
         positions = torch.tensor([0, 1, 2, 7, 30, 500])
@@ -175,7 +176,7 @@ def attention_with_cache(ns):
 
 def _attention_steps(fn, hq, hkv, seed):
     """A prefill of 4, a chunk of 2 and three decode steps through `fn`, checked against labkit's attention."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded_generator(seed)
     d, steps = 8, (4, 2, 1, 1, 1)
     total = sum(steps)
     q, k, v = torch.randn(total, hq, d, generator=g), torch.randn(total, hkv, d, generator=g), \
@@ -249,7 +250,7 @@ def _swiglu(x, gate_up, down, *, swap=False, interleaved=False, act=F.silu, act_
 @exercise("05", "swiglu_mlp", forbidden=(*_LAYER_FORWARDS, "labkit_course.grading.labs.lab05._swiglu"))
 def swiglu_mlp(ns):
     fn = require(ns, "swiglu_mlp")
-    g = torch.Generator().manual_seed(53)
+    g = seeded_generator(53)
     hidden, inter = 24, 64  # the same 8/3 ratio as SmolLM2's 576 -> 1536
     config = ModelConfig("llama", 10, hidden, inter, 1, 2, 1, 12, 64, 1e-5, 1e4, True)
     mlp = MLP(config)
@@ -297,7 +298,7 @@ def _layer_weights(seed, cfg=_LAYER_CONFIG, hidden=None):
     config = ModelConfig("llama", 10, hidden, hidden * 8 // 3, 1, cfg["num_heads"], cfg["num_kv_heads"],
                          cfg["head_dim"], 64, cfg["eps"], cfg["rope_theta"], True)
     layer = DecoderLayer(config, 0)
-    g = torch.Generator().manual_seed(seed)
+    g = seeded_generator(seed)
     with torch.no_grad():
         for name, param in layer.named_parameters():
             scale = 0.5 if name.endswith("norm.weight") else 0.25
@@ -364,7 +365,7 @@ def decoder_layer(ns):
     fn = require(ns, "decoder_layer")
     cfg = _LAYER_CONFIG
     layer, w = _layer_weights(54)
-    x = torch.randn(sum(_LAYER_STEPS), cfg["num_heads"] * cfg["head_dim"], generator=torch.Generator().manual_seed(55))
+    x = torch.randn(sum(_LAYER_STEPS), cfg["num_heads"] * cfg["head_dim"], generator=seeded_generator(55))
     try:
         got, expected = _run_layer(fn, layer, w, cfg, x)
     except ExerciseFailed:
@@ -416,7 +417,7 @@ def _wide_heads(fn):
     """Right on SmolLM2's shape; now a layer whose heads are not hidden / num_heads wide (Qwen3-0.6B's case)."""
     cfg, hidden = _WIDE_HEADS_CONFIG, 32
     layer, w = _layer_weights(56, cfg, hidden)
-    x = torch.randn(sum(_LAYER_STEPS), hidden, generator=torch.Generator().manual_seed(57))
+    x = torch.randn(sum(_LAYER_STEPS), hidden, generator=seeded_generator(57))
     why = (f"with hidden {hidden}, {cfg['num_heads']} heads of head_dim {cfg['head_dim']} (not {hidden} / "
            f"{cfg['num_heads']} = {hidden // cfg['num_heads']}: Qwen3-0.6B has 16 heads of 128 on a 1024-wide "
            "stream)")

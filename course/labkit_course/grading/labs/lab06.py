@@ -5,11 +5,12 @@ import torch
 from labkit.sampling import apply_penalties as ref_apply_penalties
 from labkit.sampling import filter_logits
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
+from labkit_course.grading.core import seeded_generator
 from labkit_course.grading.remote import RemoteError
 
 
 def _logits(seed: int, rows: int = 4, vocab: int = 12) -> torch.Tensor:
-    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+    return torch.randn(rows, vocab, generator=seeded_generator(seed)) * 2
 
 
 def _call_without_mutation(fn, logits, *args):
@@ -147,6 +148,8 @@ def _tie_mistake(got: torch.Tensor, logits: torch.Tensor) -> str:
 def top_k_filter(ns):
     fn = require(ns, "top_k_filter")
     for logits, k, got, expected in _filter_cases(fn, "top_k", (1, 3, 12), seed=2, row=1):
+        if torch.equal(got, expected):
+            continue  # what follows names the mistake of an answer that is wrong (some coincide on some logits)
         if (got == 0).any() and not (expected == 0).any():
             raise ExerciseFailed("removed tokens were set to 0, which is still a likely logit: set them to -inf")
         smallest = logits.masked_fill(~_kept(_reference(-logits, top_k=k)), float("-inf"))
@@ -160,9 +163,7 @@ def top_k_filter(ns):
                                                                     float("-inf"))):
             raise ExerciseFailed(f"top_k={k}: every row was cut at the last row's k-th largest logit: each row "
                                  "has its own (topk(k, dim=-1).values[..., -1:])")
-        if not torch.equal(got, expected):
-            raise ExerciseFailed(f"top_k={k}: each row must keep its k largest logits unchanged and set "
-                                 "the rest to -inf")
+        raise ExerciseFailed(f"top_k={k}: each row must keep its k largest logits unchanged and set the rest to -inf")
     tied = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
     if not torch.equal(_filter(fn, tied, 2), filter_logits(tied, top_k=2)):
         raise ExerciseFailed("with a tie at the k-th largest logit, keep every tied token "
@@ -217,46 +218,46 @@ def sample_next(ns):
     fn = require(ns, "sample_next")
     logits = torch.tensor([1.5, 0.2, 1.0, -0.5, 0.8])
     given = logits.clone()
-    first = fn(given, 0.7, torch.Generator().manual_seed(0))
+    first = fn(given, 0.7, seeded_generator(0))
     if not isinstance(first, int) or isinstance(first, bool):
         raise ExerciseFailed(f"return the token id as a Python int (use .item()), got {type(first).__name__}")
     if not torch.equal(given, logits):
         raise ExerciseFailed("sample_next changed its input logits in place: work on a copy")
     try:
-        greedy = {fn(logits.clone(), 0.0, torch.Generator().manual_seed(seed)) for seed in range(20)}
+        greedy = {fn(logits.clone(), 0.0, seeded_generator(seed)) for seed in range(20)}
     except Exception as error:
         raise ExerciseFailed(f"temperature 0 raised {type(error).__name__} (dividing by 0): at temperature 0 "
                              "return the argmax without sampling") from None
     if greedy != {int(logits.argmax())}:
         raise ExerciseFailed(f"temperature 0 must always return the argmax ({int(logits.argmax())}), got {greedy}")
     tied = torch.tensor([0.3, 1.5, 1.5, -0.5, 0.8])
-    greedy = {fn(tied.clone(), 0.0, torch.Generator().manual_seed(seed)) for seed in range(20)}
+    greedy = {fn(tied.clone(), 0.0, seeded_generator(seed)) for seed in range(20)}
     if greedy != {1}:
         raise ExerciseFailed(f"temperature 0 on logits {tied.tolist()} gave tokens {sorted(greedy)}, not always 1: "
                              "temperature 0 is the argmax (torch.argmax, the first maximum), not a draw at a tiny "
                              "temperature")
-    draws = [fn(logits.clone(), 1.0, torch.Generator().manual_seed(seed)) for seed in range(3000)]
+    draws = [fn(logits.clone(), 1.0, seeded_generator(seed)) for seed in range(3000)]
     if len(set(draws)) == 1:
         raise ExerciseFailed("at temperature 1 every draw is the same token: sample (torch.multinomial) "
                              "instead of taking the argmax")
-    again = [fn(logits.clone(), 1.0, torch.Generator().manual_seed(seed)) for seed in range(60)]
+    again = [fn(logits.clone(), 1.0, seeded_generator(seed)) for seed in range(60)]
     if again != draws[:60]:
         raise ExerciseFailed("the same seeded generator gave different tokens: the generator was ignored. "
                              "Pass generator=generator to torch.multinomial, so a seeded request reproduces")
     counts = torch.bincount(torch.tensor(draws), minlength=len(logits)).double()
     expected = logits.softmax(-1).double() * len(draws)
     statistic = float(((counts - expected) ** 2 / expected).sum())
-    if statistic > 25.0:  # chi-square, 4 degrees of freedom: P(> 25) < 1e-4 when the draws are right
+    if statistic > 40.0:  # chi-square, 4 degrees of freedom: P(> 40) < 1e-7 when the draws are right
         raise ExerciseFailed(f"draw frequencies {(counts / len(draws)).tolist()} don't follow softmax(logits) "
                              f"{logits.softmax(-1).tolist()}: sample from the probabilities, not the logits")
-    cold = [fn(logits.clone(), 0.3, torch.Generator().manual_seed(seed)) for seed in range(300)]
-    if abs(cold.count(0) / 300 - float((logits / 0.3).softmax(-1)[0])) > 0.1:
+    cold = [fn(logits.clone(), 0.3, seeded_generator(seed)) for seed in range(300)]
+    if abs(cold.count(0) / 300 - float((logits / 0.3).softmax(-1)[0])) > 0.15:  # 6 standard deviations
         raise ExerciseFailed("at temperature 0.3 the draws should concentrate on the argmax: divide the "
                              "logits by the temperature before the softmax")
     for temperature in (1.0, 0.7):
-        seeded = [fn(logits.clone(), temperature, torch.Generator().manual_seed(seed)) for seed in range(200)]
+        seeded = [fn(logits.clone(), temperature, seeded_generator(seed)) for seed in range(200)]
         want = [int(torch.multinomial((logits / temperature).softmax(-1), 1,
-                                      generator=torch.Generator().manual_seed(seed))) for seed in range(200)]
+                                      generator=seeded_generator(seed))) for seed in range(200)]
         if sum(a != b for a, b in zip(seeded, want, strict=True)) > 2:  # a rounding difference may flip a rare draw
             raise ExerciseFailed(f"at temperature {temperature}, seeds 0..199 gave other tokens than "
                                  "torch.multinomial(softmax(logits / T), 1, generator=generator): the exercise asks "

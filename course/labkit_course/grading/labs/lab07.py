@@ -6,6 +6,7 @@ import math
 import torch
 
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
+from labkit_course.grading.core import seeded_generator, seeded_random
 from labkit_course.grading.remote import RemoteError
 
 _MANAGER = "labkit.cache.block_manager.BlockManager"
@@ -55,6 +56,7 @@ def simple_block_allocator(ns):
     if len(table) != 9:
         raise ExerciseFailed("freed blocks could not be allocated again")
     _fails_without_a_trace(cls)
+    _random_run(cls)
     return ("blocks allocated on demand, reused after free, utilization = used / total blocks; a request the pool "
             "cannot meet raises MemoryError and changes nothing")
 
@@ -115,6 +117,58 @@ def _fails_without_a_trace(cls) -> None:
                              "blocks")
 
 
+def _random_run(cls) -> None:
+    """Allocations, appends and frees drawn at random, some asking for more blocks than are free, against the
+    block arithmetic: ceil(tokens / block_size) blocks a sequence, ids nobody holds, used / total blocks.
+    A failure names the run so far, which replays it."""
+    rng = seeded_random(707)
+    total, block_size = rng.randint(12, 32), rng.choice([2, 4, 8, 16])
+    alloc = cls(total_blocks=total, block_size=block_size)
+    run, lengths, tables = [f"SimpleBlockAllocator(total_blocks={total}, block_size={block_size})"], {}, {}
+    for new_id in range(1, 21):  # each call arms the tripwires (ms): a short run
+        held = {block for table in tables.values() for block in table}
+        free = total - len(held)
+        if tables and rng.random() < 0.3:
+            old = rng.choice(sorted(tables))
+            run.append(f"free_sequence({old})")
+            freed = alloc.free_sequence(old)
+            if freed != len(tables[old]):
+                raise ExerciseFailed(f"{'; '.join(run)}: sequence {old} held {len(tables[old])} blocks, "
+                                     f"free_sequence returned {freed!r}")
+            del tables[old], lengths[old]
+        else:
+            seq_id = rng.choice(sorted(tables)) if tables and rng.random() < 0.6 else new_id  # grow one, or start
+            tokens = (rng.randint(1, 3 * block_size) if rng.random() < 0.8  # now and then more blocks than are free
+                      else rng.randint(free * block_size + 1, (free + 2) * block_size))
+            start, have = lengths.get(seq_id, 0), tables.get(seq_id, [])
+            needed = -(-(start + tokens) // block_size) - len(have)
+            call = (f"append_tokens({seq_id}, {tokens})" if seq_id in tables
+                    else f"allocate_sequence({seq_id}, {tokens})")
+            run.append(call)
+            what = f"{'; '.join(run)}: the last call"
+            grow = alloc.append_tokens if seq_id in tables else alloc.allocate_sequence
+            if needed > free:
+                _raises_memory_error(lambda grow=grow, seq_id=seq_id, tokens=tokens: grow(seq_id, tokens),
+                                     f"{what} ({needed} blocks, {free} free)")
+            else:
+                got = grow(seq_id, tokens)
+                if needed == 0 and got is not None:
+                    raise ExerciseFailed(f"{what} fits the last block's free slots: it returns None, got {got!r}")
+                if needed and not (isinstance(got, list) and len(got) == needed):
+                    raise ExerciseFailed(f"{what} needs ceil({start + tokens}/{block_size}) - {len(have)} = {needed} "
+                                         f"new blocks, got {got!r}")
+                if needed and not (all(isinstance(b, int) and 0 <= b < total for b in got)
+                                   and len(set(got)) == needed and not set(got) & held):
+                    raise ExerciseFailed(f"{what} handed out {got}: new blocks are distinct free ids in "
+                                         f"0..{total - 1}, and {sorted(held)} are held")
+                tables[seq_id], lengths[seq_id] = have + (got or []), start + tokens
+        used = sum(map(len, tables.values()))
+        util = alloc.get_utilization()
+        if not isinstance(util, float | int) or not math.isclose(util, used / total):
+            raise ExerciseFailed(f"{'; '.join(run)}: {used} of {total} blocks are held, so utilization is "
+                                 f"{used / total:.4g}, got {util!r}")
+
+
 def _reference_savings(lengths, max_length, block_size, memory_per_token):
     for n in lengths:
         if not 1 <= n <= max_length:
@@ -149,8 +203,13 @@ def calculate_memory_savings(ns):
                   "one sequence, so round each sequence up on its own",
         "floor": "rounded down: a partly filled last block still takes a whole block (ceil, not floor)",
     }
+    rng = seeded_random(708)
+    max_length, block_size = rng.choice([256, 512, 1024, 4096]), rng.choice([8, 16, 32])
+    drawn = dict(lengths=[rng.randint(1, max_length) for _ in range(rng.randint(3, 12))], max_length=max_length,
+                 block_size=block_size, memory_per_token=rng.randint(1, 64) * 16)  # lengths no notebook knows ahead
     for args in (dict(lengths=[50, 16, 1, 33, 100, 47], max_length=128, block_size=16, memory_per_token=96),
-                 dict(lengths=[1000] * 3 + [333, 64, 2048], max_length=2048, block_size=32, memory_per_token=512)):
+                 dict(lengths=[1000] * 3 + [333, 64, 2048], max_length=2048, block_size=32, memory_per_token=512),
+                 drawn):
         got = fn(**{**args, "lengths": list(args["lengths"])})
         want = _reference_savings(**args)
         if not isinstance(got, dict) or set(want) - set(got):
@@ -158,10 +217,11 @@ def calculate_memory_savings(ns):
         for mistake, slots in _paged_slots_if(args["lengths"], args["block_size"]).items():
             if slots * args["memory_per_token"] != want["paged_memory"] and math.isclose(
                     float(got["paged_memory"]), slots * args["memory_per_token"]):
-                raise ExerciseFailed(mistakes[mistake])
-        if math.isclose(got["savings_percent"], 100 * (want["savings_bytes"] / want["paged_memory"])):
-            raise ExerciseFailed("savings_percent is relative to the paged memory; express it as a share of the "
-                                 "traditional memory")
+                raise ExerciseFailed(f"{args}: {mistakes[mistake]}")
+        if want["savings_bytes"] and math.isclose(got["savings_percent"],
+                                                  100 * (want["savings_bytes"] / want["paged_memory"])):
+            raise ExerciseFailed(f"{args}: savings_percent is relative to the paged memory; express it as a share of "
+                                 "the traditional memory")
         for key, value in want.items():
             if not math.isclose(float(got[key]), value, rel_tol=1e-9):
                 scale = " (percent means 0..100)" if key == "savings_percent" else ""
@@ -198,7 +258,7 @@ def _reference_gather(kv_cache, block_table, seq_lengths, layer_idx, kv_idx):
 ))
 def gather_kv_from_blocks(ns):
     fn = require(ns, "gather_kv_from_blocks")
-    g = torch.Generator().manual_seed(7)
+    g = seeded_generator(7)
     kv_cache = torch.randn(12, 3, 2, 8, 2, 4, generator=g)  # [blocks, layers, K/V, block_size, heads, dim]
     block_table = torch.tensor([[5, 2, 9, -1], [0, 11, -1, -1], [7, 3, 1, 4]])
     seq_lengths = torch.tensor([20, 9, 29])
@@ -278,7 +338,7 @@ def _blocks(g, n, scales):
                                                  "labkit_course.grading.labs.lab07._reference_state"))
 def online_softmax_step(ns):
     step = require(ns, "online_softmax_step")
-    g = torch.Generator().manual_seed(3)
+    g = seeded_generator(3)
     query = torch.randn(4, 16, generator=g, dtype=torch.float64) * 2
     keys, values = _blocks(g, 4, (0.5, 1.0, 3.0, 0.5))  # the max grows at blocks 1 and 2, not at 3
     early_keys, early_values = _blocks(g, 2, (1.0, 2.0))  # blocks the step never sees

@@ -1,10 +1,19 @@
 """Lab 09: block manager and prefix caching — hash chains, prefix lookup, LRU eviction, allocate and free."""
 
+import copy
 from collections import OrderedDict, deque
 
-from labkit.cache.block_manager import Block, BlockManager, hash_block
+from labkit.cache.block_manager import (
+    Block,
+    BlockManager,
+    KVCacheExhausted,
+    find_prefix_hits,
+    hash_block,
+    pop_free_block,
+)
 from labkit.cache.sequence_blocks import BlockSequence
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
+from labkit_course.grading.core import seeded_random
 
 
 def _reference_chain(token_ids, block_size):
@@ -57,6 +66,16 @@ def chain_hashes(ns):
                                  "out[0]): chain each block to the one just before it, prev = out[-1]")
         raise ExerciseFailed("right for 2 full blocks, wrong for 4 (8 tokens in blocks of 2): each hash is "
                              "hash_block(previous block's hash, this block's tokens)")
+    rng = seeded_random(901)
+    for _ in range(40):
+        tokens, bs = [rng.randint(0, 60) for _ in range(rng.randint(0, 30))], rng.randint(1, 7)
+        got, want = fn(list(tokens), bs), _reference_chain(tokens, bs)
+        if got != want:
+            mine = got if isinstance(got, list) else []
+            same = next((i for i, (a, b) in enumerate(zip(mine, want, strict=False)) if a != b),
+                        min(len(mine), len(want)))
+            raise ExerciseFailed(f"wrong for chain_hashes({tokens}, {bs}): expected {len(want)} hashes, got "
+                                 f"{len(mine)}, the first {same} of them right")
     return "one chained hash per full block"
 
 
@@ -116,6 +135,16 @@ def cached_prefix_blocks(ns):
     blocks[1] = stale
     if got != [0]:
         raise ExerciseFailed("a hash entry whose block holds other tokens was taken as a hit: check the tokens")
+    rng = seeded_random(902)
+    for _ in range(25):
+        pool = _RandomPool(rng)
+        m = pool.manager
+        for prompt in (pool.prompt() for _ in range(3)):
+            want = [b.block_id for b in find_prefix_hits(prompt, m.block_size, m.hash_to_block, m.blocks)]
+            got = fn(list(prompt), m.block_size, dict(m.hash_to_block), m.blocks)
+            if got != want:
+                raise ExerciseFailed(f"prompt {prompt} should hit blocks {want}, got {got!r} [the cache: labkit's "
+                                     f"{pool}]")
     return "hits stop at the first miss, tokens are checked, one token is always left to compute"
 
 
@@ -162,7 +191,22 @@ def take_free_block(ns):
         raise ExerciseFailed("the taken block's ref_count should be 1 (its new owner)")
     if list(cached) != [1, 4] or table != {111: 1, 444: 4}:
         raise ExerciseFailed("other cached blocks or hash entries were changed")
+    rng = seeded_random(903)
+    for _ in range(20):  # a few blocks taken in a row from a pool after random traffic
+        pool = _RandomPool(rng)
+        labkit, _ = pool.twin()
+        for call in range(1, min(labkit.num_free_blocks, rng.randint(1, 5)) + 1):
+            where = f"call {call} of take_free_block on labkit's {pool}"
+            got, want = fn(*_free_lists(pool.manager)), pop_free_block(*_free_lists(labkit))
+            if got != want:
+                raise ExerciseFailed(f"took block {got!r}, expected {want} [{where}]")
+            _expect_same_pool(pool.manager, labkit, where)
     return "never-cached blocks first, then LRU eviction with its hash entry removed"
+
+
+def _free_lists(manager):
+    """take_free_block's arguments over a manager's pool."""
+    return manager.free_uncached, manager.free_cached, manager.hash_to_block, manager.blocks
 
 
 def _raised(call) -> str | None:
@@ -207,9 +251,105 @@ class _Pool:
         return m.hash_to_block, m.blocks, m.free_uncached, m.free_cached
 
     def snapshot(self):
-        m = self.manager
-        return ([(b.ref_count, b.hash, b.token_ids) for b in m.blocks], dict(m.hash_to_block),
-                list(m.free_uncached), list(m.free_cached))
+        return _state(self.manager)
+
+
+def _state(manager):
+    """A manager's pool as comparable values: each block's (ref_count, hash, token_ids), the table, the free lists."""
+    return ([(b.ref_count, b.hash, b.token_ids) for b in manager.blocks], dict(manager.hash_to_block),
+            list(manager.free_uncached), list(manager.free_cached))
+
+
+class _RandomPool(_Pool):
+    """A pool after a random history of labkit's own operations, prompts drawn from a few shared stems so
+    that prefix-cache hits, shared blocks, forks, freed cached blocks and evictions all happen; `history`
+    says how to rebuild it with labkit's BlockManager."""
+
+    def __init__(self, rng):
+        self.rng, bs = rng, rng.choice([1, 2, 3, 4])
+        self.manager, self.live, self.seen = BlockManager(rng.randint(8, 20), bs), [], []
+        self.stems = [[rng.randint(0, 9) for _ in range(rng.randint(0, 3 * bs))] for _ in range(3)]
+        self.history = [f"BlockManager({self.manager.num_blocks}, block_size={bs})"]
+        for _ in range(rng.randint(2, 8)):
+            self.step()
+        if rng.random() < 0.5:  # no never-cached block left: taking a block evicts
+            taken = [self.manager.take_free_block() for _ in range(len(self.manager.free_uncached))]
+            hog = BlockSequence("hog", [], taken)
+            self.live.append(hog)
+            self.history.append("every never-cached free block taken by a sequence 'hog'")
+
+    def prompt(self):
+        stem = self.rng.choice(self.stems + self.seen)
+        tail = [self.rng.randint(0, 9) for _ in range(self.rng.randint(1, 6))]
+        return list(stem[:self.rng.randint(0, len(stem))]) + tail
+
+    def step(self):
+        """One random operation: prefill a prompt, fork or extend a running sequence, or free one."""
+        m, rng = self.manager, self.rng
+        op = rng.choice(["prefill", "prefill", "fork", "extend", "free", "free"] if self.live else ["prefill"])
+        if op == "prefill":
+            seq = BlockSequence(f"s{len(self.history)}", self.prompt())
+            if not m.can_allocate(seq):
+                return
+            m.allocate(seq)
+            self.seen.append(seq.token_ids)
+            self.history.append(f"prefill {seq.seq_id} = {seq.token_ids}")
+        elif op == "fork":
+            seq = self.fork(m, self.live, rng.randrange(len(self.live)))
+        elif op == "extend":
+            seq = rng.choice(self.live)
+            seq.token_ids.extend(rng.randint(0, 3) for _ in range(rng.randint(1, 2 * m.block_size)))
+            if not m.can_append(seq):
+                del seq.token_ids[seq.num_cached_tokens:]
+                return
+            m.append(seq)
+            self.history.append(f"append and compute {seq.token_ids[seq.num_cached_tokens:]} on {seq.seq_id}")
+        else:
+            seq = self.live.pop(rng.randrange(len(self.live)))
+            m.deallocate(seq)
+            self.history.append(f"free {seq.seq_id}")
+            return
+        if op != "extend":
+            self.live.append(seq)
+        _computed(m, seq)
+
+    def fork(self, manager, live, i):
+        """A new sample of live[i], sharing its blocks (on this pool or its twin: the same name on both)."""
+        child = BlockSequence(f"s{len(self.history)}", list(live[i].token_ids))
+        manager.fork(live[i], child)
+        if manager is self.manager:
+            self.history.append(f"fork {live[i].seq_id} into {child.seq_id}")
+        return child
+
+    def twin(self):
+        """An identical copy, on which labkit's own operation gives the expected pool."""
+        return copy.deepcopy((self.manager, self.live))
+
+    def __str__(self):
+        return "; ".join(self.history)
+
+
+def _computed(manager, seq):
+    """`seq`'s step ran: every token it holds is computed, and its full blocks hashed."""
+    seq.num_cached_tokens = len(seq.token_ids)
+    manager.cache_computed_blocks(seq)
+
+
+def _expect_same_pool(manager, labkit, where):
+    """The student's pool against labkit's after the same operations, naming the first difference."""
+    for name, mine, theirs in zip(("blocks", "hash_to_block", "free_uncached", "free_cached"), _state(manager),
+                                  _state(labkit), strict=True):
+        if name == "blocks" and mine != theirs:
+            i = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+            show = [(refs, "hashed" if h is not None else "no hash", tokens) for refs, h, tokens in
+                    (mine[i], theirs[i])]
+            raise ExerciseFailed(f"block {i} afterwards is (ref_count, hash, token_ids) {show[0]}, labkit's "
+                                 f"{show[1]} [{where}]")
+        if name == "hash_to_block" and mine != theirs:
+            raise ExerciseFailed(f"hash_to_block afterwards reaches blocks {sorted(mine.values())}, labkit's "
+                                 f"{sorted(theirs.values())} [{where}]")
+        if mine != theirs:
+            raise ExerciseFailed(f"{name} afterwards is {mine}, labkit's {theirs} [{where}]")
 
 
 @exercise("09", "allocate_blocks", forbidden=(f"{_MANAGER}.allocate", f"{_MANAGER}.can_allocate",
@@ -302,6 +442,32 @@ def allocate_blocks(ns):
     if pool.snapshot() != before:
         raise ExerciseFailed("the pool changed before KVCacheExhausted was raised: check that everything fits "
                              "before reviving or taking any block")
+    rng = seeded_random(904)
+    for _ in range(20):  # prompts sharing prefixes with a pool after random traffic, prefilled one after another
+        pool = _RandomPool(rng)
+        labkit, _ = pool.twin()
+        bs = labkit.block_size
+        for prompt in (pool.prompt() for _ in range(rng.randint(1, 3))):
+            where = f"allocate_blocks({prompt}, {bs}, ...) on labkit's {pool}"
+            seq = BlockSequence(f"s{len(pool.history)}", list(prompt))
+            try:
+                labkit.allocate(seq)
+                want = (seq.block_table, seq.num_cached_tokens)
+            except KVCacheExhausted:
+                want = "KVCacheExhausted"
+            try:
+                got = fn(list(prompt), bs, *pool.args())
+            except (NotImplementedError, ExerciseFailed):
+                raise
+            except Exception as error:  # noqa: BLE001 - the student's code raised
+                got = raised_type(error)
+            if got != want:
+                raise ExerciseFailed(f"expected {want}, got {got!r} [{where}]")
+            _expect_same_pool(pool.manager, labkit, where)
+            if got != "KVCacheExhausted":
+                _computed(labkit, seq)
+                _computed(pool.manager, BlockSequence(seq.seq_id, list(prompt), list(got[0])))
+                pool.history.append(f"prefill {seq.seq_id} = {prompt}")
     return "hits shared with one more reference, free ones revived first, fresh blocks after, all or nothing"
 
 
@@ -369,6 +535,17 @@ def release_blocks(ns):
                              "makes every later block unreachable; release the tail first ([2, 1, 0])")
     if list(free_cached) != [2, 1, 0]:
         raise ExerciseFailed(f"expected free_cached in the order [2, 1, 0], got {list(free_cached)}")
+    rng = seeded_random(905)
+    for _ in range(20):  # the running sequences of a pool after random traffic, released in a random order
+        pool = _RandomPool(rng)
+        labkit, twins = pool.twin()
+        for i in rng.sample(range(len(pool.live)), rng.randint(1, len(pool.live)) if pool.live else 0):
+            seq = pool.live[i]
+            where = f"release_blocks({seq.block_table}, ...) of {seq.seq_id} on labkit's {pool}"
+            fn(list(seq.block_table), *pool.args())
+            labkit.release_table(twins[i])
+            _expect_same_pool(pool.manager, labkit, where)
+            pool.history.append(f"free {seq.seq_id}")
     return "one reference per block, tail first; hashed blocks stay cached, others are cleared"
 
 
@@ -490,6 +667,40 @@ def append_blocks(ns):
         raise ExerciseFailed(f"8 tokens in blocks of 4 fill exactly the 2 blocks held, got copies {copies} and table "
                              f"{table}: the count is ceil(n / block_size) = -(-n // block_size); n // block_size + 1 "
                              "adds an empty block whenever n is a multiple of block_size")
+    rng = seeded_random(906)
+    for _ in range(20):  # running sequences of a pool after random traffic (forks among them) given new tokens
+        pool = _RandomPool(rng)
+        labkit, twins = pool.twin()
+        bs = labkit.block_size
+        for _ in range(rng.randint(1, 3)):
+            holders = [i for i, seq in enumerate(pool.live) if seq.token_ids]
+            if not holders:
+                break
+            i = rng.choice(holders)
+            if rng.random() < 0.5:  # a new sample of it first: the two share its partial block
+                twins.append(pool.fork(labkit, twins, i))
+                pool.live.append(pool.fork(pool.manager, pool.live, i))
+                i = rng.choice([i, len(twins) - 1])
+            seq, twin, new = pool.live[i], twins[i], [rng.randint(0, 3) for _ in range(rng.randint(1, 2 * bs))]
+            where = f"{seq.seq_id} ({len(seq.token_ids)} tokens, all computed, table {seq.block_table}) given " \
+                    f"the new tokens {new}, on labkit's {pool}"
+            twin.token_ids.extend(new)
+            try:
+                want = labkit.append(twin)
+            except KVCacheExhausted:
+                want = "KVCacheExhausted"
+            copies, table = _append_case(fn, pool.manager, seq, new)
+            if copies != want or (copies != "KVCacheExhausted" and table != twin.block_table):
+                raise ExerciseFailed(f"expected copies {want} and table {twin.block_table}, got {copies!r} and "
+                                     f"{table} [{where}]")
+            _expect_same_pool(pool.manager, labkit, where)
+            if copies == "KVCacheExhausted":
+                del seq.token_ids[seq.num_cached_tokens:], twin.token_ids[twin.num_cached_tokens:]
+                continue
+            seq.block_table = table
+            _computed(pool.manager, seq)
+            _computed(labkit, twin)
+            pool.history.append(f"append and compute {new} on {seq.seq_id}")
     return "copies only a shared write block, source to destination, adds missing blocks, all or nothing"
 
 

@@ -1,11 +1,11 @@
 """Lab 10: the scheduler. The can_append rule, planning one continuous-batching step, choosing a
 preemption victim and splitting a step's token budget between decodes and prefill chunks."""
 
-import random
 
 from labkit.cache.block_manager import BlockManager
 from labkit.cache.sequence_blocks import BlockSequence
 from labkit_course.grading import ExerciseFailed, exercise, require
+from labkit_course.grading.core import seeded_random
 from labkit_course.grading.records import Active, Request, Running
 
 
@@ -15,7 +15,7 @@ from labkit_course.grading.records import Active, Request, Running
 ))
 def can_append(ns):
     fn = require(ns, "can_append")
-    rng = random.Random(10)
+    rng = seeded_random(10)
     cases = [(17, 2, 8, 0), (16, 2, 8, 0), (9, 1, 8, 1), (9, 1, 8, 0), (8, 1, 8, 0), (33, 4, 8, 1), (2, 1, 8, 0),
              (5, 4, 1, 0), (5, 4, 1, 2), (2, 1, 1, 1)]  # blocks of 1 token: every token starts a block
     cases += [(n, -(-(n - 1) // bs), bs, rng.randint(0, 2))
@@ -112,9 +112,11 @@ MISTAKES = [
 
 
 def _random_case(rng):
+    """Running ids and waiting requests at distinct arrival times (a tie in priority and arrival has no order)."""
     running = [f"r{i}" for i in range(rng.randint(0, 4))]
-    waiting = [Request(f"w{i}", rng.choice([-1, 0, 0, 2]), rng.randint(0, 50), rng.randint(1, 40), rng.randint(1, 4))
-               for i in range(rng.randint(1, 6))]
+    arrivals = rng.sample(range(51), rng.randint(1, 6))
+    waiting = [Request(f"w{i}", rng.choice([-1, 0, 0, 2]), arrival, rng.randint(1, 40), rng.randint(1, 4))
+               for i, arrival in enumerate(arrivals)]
     return running, waiting, rng.randint(len(running) + 1, 48), rng.randint(len(running) + 1, 8), rng.randint(0, 8)
 
 
@@ -124,7 +126,7 @@ def _random_case(rng):
                                             "labkit.engine.scheduler.Scheduler.admit"))
 def schedule_step(ns):
     fn = require(ns, "schedule_step")
-    rng = random.Random(1010)
+    rng = seeded_random(1010)
     fixed = [
         # the head (priority 2) does not fit the free blocks: admission stops, nothing jumps ahead
         (["r0"], [Request("big", 2, 5, 10, 6), Request("cheap", 0, 9, 12, 1), Request("huge", -3, 3, 2, 9)], 32, 4, 4),
@@ -138,18 +140,24 @@ def schedule_step(ns):
         # shortest-first would pick 'short'; first come first served picks 'long' (seed 000's sort)
         ([], [Request("long", 0, 0, 30, 2), Request("short", 0, 1, 3, 1)], 31, 1, 8),
     ]
-    for case in fixed + [_random_case(rng) for _ in range(200)]:
-        running, waiting, budget, max_seqs, free = case
-        want = reference_schedule_step(list(running), list(waiting), budget, max_seqs, free)
+    cases, answers = fixed + [_random_case(rng) for _ in range(200)], []
+    for running, waiting, budget, max_seqs, free in cases:
         got = fn(list(running), list(waiting), budget, max_seqs, free)
         if not isinstance(got, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in got):
             raise ExerciseFailed(f"return a list of (request id, number of tokens) pairs, got {got!r}")
-        if got != want:
-            raise ExerciseFailed(_diagnose(case, got, want))
+        answers.append(got)
+    explained = _explain(cases, answers, _schedule, MISTAKES)
+    if explained:
+        raise ExerciseFailed(_diagnose(*explained))
     return "decodes first, then admission by priority and arrival, chunked to the budget, never skipping the head"
 
 
-def _diagnose(case, got, want) -> str:
+def _schedule(case, **mistake):
+    running, waiting, budget, max_seqs, free = case
+    return reference_schedule_step(list(running), list(waiting), budget, max_seqs, free, **mistake)
+
+
+def _diagnose(case, got, want, mistake: str | None) -> str:
     running, waiting, budget, max_seqs, free = case
     where = (f"running={running}, waiting={[(r.id, r.priority, r.arrival, r.prompt_len, r.blocks) for r in waiting]} "
              f"(id, priority, arrival, prompt_len, blocks), token_budget={budget}, max_num_seqs={max_seqs}, "
@@ -160,10 +168,9 @@ def _diagnose(case, got, want) -> str:
         return f"the plan runs {len(got)} requests, more than max_num_seqs={max_seqs}: {where}"
     if [p for p in got if p[0] in running] != [(r, 1) for r in running]:
         return f"every running request decodes one token, before anything is admitted: {where}"
-    for mistake, message in MISTAKES:
-        if got == reference_schedule_step(list(running), list(waiting), budget, max_seqs, free, **mistake):
-            return f"got {got}, expected {want}: {message}. {where}"
-    return f"expected {want}, got {got}: {where}"
+    if mistake is None:  # no one mistake gives every plan: the first that gives this one
+        mistake = next((message for variant, message in MISTAKES if got == _schedule(case, **variant)), None)
+    return f"got {got}, expected {want}: {mistake}. {where}" if mistake else f"expected {want}, got {got}: {where}"
 
 
 def _explain(cases, answers, reference, mistakes):
@@ -252,7 +259,7 @@ def _random_running(rng):
                                             "labkit_course.grading.labs.lab10.reference_choose_victim"))
 def choose_victim(ns):
     fn = require(ns, "choose_victim")
-    rng = random.Random(1011)
+    rng = seeded_random(1011)
     fixed = [
         # priorities first: the low-priority early arrival goes before the normal late one
         ("a", [Running("a", 5, 0, (0,)), Running("low", -1, 1, (1,)), Running("late", 0, 9, (2,))],
@@ -336,7 +343,7 @@ def _random_active(rng):
                                            "labkit_course.grading.labs.lab10.reference_plan_running"))
 def plan_running(ns):
     fn = require(ns, "plan_running")
-    rng = random.Random(1012)
+    rng = seeded_random(1012)
     d = lambda i: Active(i, 1, False)  # noqa: E731 - a decode
     fixed = [
         ([Active("long", 100, True), d("d1"), d("d2")], 16, 0),  # the prefill leaves 2 tokens to the decodes

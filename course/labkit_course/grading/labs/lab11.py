@@ -14,6 +14,7 @@ from labkit.cache.block_manager import Block, BlockManager
 from labkit.cache.paged_storage import PagedKVStorage
 from labkit.sampling.stop import find_stop_string
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
+from labkit_course.grading.core import seeded_random
 from labkit_course.grading.records import Sample
 
 STEP_KEYS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "block_tables")
@@ -145,7 +146,7 @@ def reference_cu(lengths) -> torch.Tensor:
 @exercise("11", "prepare_step", forbidden=_PREPARE)
 def prepare_step(ns):
     fn = require(ns, "prepare_step")
-    rng = random.Random(11)
+    rng = seeded_random(11)
     cases = mixed_steps() + [_random_step(rng) for _ in range(25)]
     for seqs, num_new, block_size in cases:
         args = _step_args(seqs, num_new, block_size)
@@ -207,7 +208,7 @@ STOP_CASES = [
                                           "labkit_course.grading.labs.lab11.reference_stop_stream"))
 def stop_stream(ns):
     fn = require(ns, "stop_stream")
-    rng = random.Random(1111)
+    rng = seeded_random(1111)
     alphabet = "ab:\n"
     cases = list(STOP_CASES) + [([("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))))
                                   for _ in range(rng.randint(1, 8))],
@@ -252,7 +253,7 @@ def _diagnose_stop(got, want, pieces, stop, include) -> str:
 
 # --- exercise 3: abort a request, with Lab 09's release -----------------------------------------
 
-UNKNOWN_REQUEST = 999
+UNKNOWN_REQUEST = -1  # no sequence has a negative id, however many a grading process made
 
 
 def abort_scene(preempt: bool = False):
@@ -262,7 +263,6 @@ def abort_scene(preempt: bool = False):
     table does not point at, D waits, E has finished. With `preempt`, A's sample 1 was preempted back
     to the waiting queue. Returns (scheduler, {name: request id})."""
     from labkit.engine import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
-    from labkit.engine.sequence import FinishReason
     from labkit.sampling import SamplingParams
 
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, max_model_len=128)
@@ -272,34 +272,88 @@ def abort_scene(preempt: bool = False):
     a, e = Sequence(system + [1, 2, 3], params), Sequence([800, 801, 802], SamplingParams(max_tokens=1))
     b, f = Sequence(system + [7] * 6, params), Sequence(list(range(600, 608)) + [1, 2], params)
     c, d = Sequence(list(range(600, 660)), params), Sequence([9] * 20, params)
-    fresh_ids = itertools.count(max(s.seq_id for s in (a, b, c, d, e, f)) + 1)  # ids no other sequence has
-    token = 1000
+    fresh_ids, tokens = itertools.count(max(s.seq_id for s in (a, b, c, d, e, f)) + 1), itertools.count(1000)
     for step, arrivals in enumerate([[a, e], [b, f, c], []]):
         for seq in arrivals:
             scheduler.add(seq)
         out = scheduler.schedule()
         if step == 0:  # A's first token is drawn: it becomes three samples sharing its blocks
-            for index in (1, 2):
-                child = a.fork(next(fresh_ids), params, index)
-                scheduler.fork(a, child)
-                a.group.append(child)
-                out.seqs.append(child)
-                out.num_new_tokens.append(out.num_new_tokens[out.seqs.index(a)])
-        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            if seq.num_cached_tokens + n == seq.num_tokens:
-                seq.append_token(token)
-                token += 1
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    seq.finish(FinishReason.MAX_TOKENS)
-        scheduler.postprocess(out)
+            _fork_samples(scheduler, out, a, 3, fresh_ids)
+        _finish_step(scheduler, out, tokens)
     scheduler.add(d)
-    for seq in scheduler.running:  # what deallocate does first: hash the computed full blocks
-        scheduler.block_manager.cache_computed_blocks(seq)
+    _hash_running(scheduler)
     if preempt:
         sample = a.group[1]
         scheduler.running.remove(sample)
         scheduler.preempt(sample, SchedulerOutput())
     return scheduler, {name: seq.request_id for name, seq in zip("ABCDEF", (a, b, c, d, e, f), strict=True)}
+
+
+def _fork_samples(scheduler, out, seq, n, fresh_ids):
+    """`seq`'s first token is drawn in `out`'s step: it becomes `n` samples sharing its blocks."""
+    for index in range(1, n):
+        child = seq.fork(next(fresh_ids), seq.params, index)
+        scheduler.fork(seq, child)
+        seq.group.append(child)
+        out.seqs.append(child)
+        out.num_new_tokens.append(out.num_new_tokens[out.seqs.index(seq)])
+
+
+def _finish_step(scheduler, out, tokens):
+    """The step ran: a token for each sequence that reached its end, then the scheduler's postprocess."""
+    from labkit.engine.sequence import FinishReason
+
+    for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+        if seq.num_cached_tokens + n == seq.num_tokens:
+            seq.append_token(next(tokens))
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                seq.finish(FinishReason.MAX_TOKENS)
+    scheduler.postprocess(out)
+
+
+def _hash_running(scheduler):
+    """What deallocate does first, done for every running sequence: hash the computed full blocks, so that
+    the student's release (which hashes nothing) meets the pool labkit's abort sees."""
+    for seq in scheduler.running:
+        scheduler.block_manager.cache_computed_blocks(seq)
+
+
+def random_abort_scene(rng):
+    """abort_scene's kind of traffic drawn at random: prompts sharing a system prefix (prefix-cache hits),
+    requests forked into samples at their first token, chunked prefills, preemptions when the pool runs out,
+    finished and still waiting requests. Returns (scheduler, request ids, how to rebuild it)."""
+    from labkit.engine import Scheduler, SchedulerConfig, Sequence
+    from labkit.sampling import SamplingParams
+
+    bs, num_blocks, budget = rng.choice([8, 16]), rng.randint(7, 16), rng.choice([8, 16, 24])
+    config = SchedulerConfig(max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=budget, max_model_len=128)
+    scheduler = Scheduler(config, BlockManager(num_blocks, bs), PagedKVStorage(1, num_blocks, bs, 1, 4))
+    system = [rng.randint(500, 599) for _ in range(rng.randint(bs, 3 * bs))]
+    prompts = [system[:rng.choice([len(system), rng.randint(0, len(system))])] +
+               [rng.randint(0, 99) for _ in range(rng.randint(1, 2 * bs))] for _ in range(rng.randint(2, 6))]
+    requests = [Sequence(prompt, SamplingParams(max_tokens=rng.randint(1, 8), ignore_eos=True)) for prompt in prompts]
+    samples = {seq.seq_id: rng.choice([1, 1, 2, 3]) for seq in requests}
+    arrival = {seq.seq_id: rng.randint(0, 5) for seq in requests}
+    steps = rng.randint(2, 8)
+    history = (f"Scheduler(SchedulerConfig(max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={budget}), "
+               f"BlockManager({num_blocks}, {bs})); requests (prompt, max_tokens, samples, arriving before step): " +
+               ", ".join(f"({seq.token_ids}, {seq.params.max_tokens}, {samples[seq.seq_id]}, {arrival[seq.seq_id]})"
+                         for seq in requests) + f"; {steps} steps run")
+    fresh_ids, tokens = itertools.count(max(samples) + 1), itertools.count(1000)
+    for step in range(steps):
+        for seq in requests:
+            if arrival[seq.seq_id] == step:
+                scheduler.add(seq)
+        out = scheduler.schedule()
+        for seq, n in list(zip(out.seqs, out.num_new_tokens, strict=True)):
+            if seq.num_cached_tokens + n == seq.num_tokens and len(seq.group) < samples.get(seq.seq_id, 1):
+                _fork_samples(scheduler, out, seq, samples[seq.seq_id], fresh_ids)
+        _finish_step(scheduler, out, tokens)
+    for seq in requests:
+        if arrival[seq.seq_id] >= steps:
+            scheduler.add(seq)
+    _hash_running(scheduler)
+    return scheduler, sorted({seq.request_id for seq in requests}), history
 
 
 def _view(scheduler):
@@ -348,33 +402,48 @@ def abort_request(ns):
         names = [case] if case == "unknown" else list(case)
         for name in names:
             request_id = ids.get(name, UNKNOWN_REQUEST)
-            where = _where_abort(name, request_id, scheduler, case)
-            try:
-                want = reference_abort(scheduler, request_id)
-            except ValueError:
-                want = None
-            before = _pool(view)
-            try:
-                got, raised = fn(request_id, *view), False
-            except (NotImplementedError, ExerciseFailed):
-                raise
-            except Exception as error:  # a student's exception crosses as a RemoteError naming its type
-                if raised_type(error) != "ValueError":
-                    raise
-                got, raised = None, True
-            if raised and want is not None:
-                waits = any(s.request_id == request_id for s in view[0])
-                raise ExerciseFailed("raised ValueError for a request still in the waiting queue: look there too, a "
-                                     f"waiting request is aborted like a running one. {where}" if waits else
-                                     f"raised ValueError although the request is running: {where}")
-            if raised:
-                if _pool(view) != before:
-                    raise ExerciseFailed(f"raised ValueError but changed the queues or the pool first: {where}")
-                continue
-            if want is None:
-                raise ExerciseFailed(_diagnose_missing(got, before, _pool(view), where))
-            _compare_abort(got, want, view, scheduler, where)
+            _check_abort(fn, scheduler, view, request_id, _where_abort(name, request_id, scheduler, case))
+    rng = seeded_random(1112)
+    for _ in range(12):
+        scheduler, ids, history = random_abort_scene(rng)
+        view = _view(scheduler)
+        order = rng.sample(ids, rng.randint(1, len(ids))) + rng.choice([[], [UNKNOWN_REQUEST], ids[:1]])
+        for k, request_id in enumerate(order):
+            queues = _pool(view)
+            where = f"aborting request {request_id} (aborts in order: {order}, this is abort {k + 1}) with waiting " \
+                    f"{queues[0]}, running {queues[1]} (request, sample, block table), free_uncached {queues[4]}, " \
+                    f"free_cached {queues[5]}; the scheduler: {history}"
+            _check_abort(fn, scheduler, view, request_id, where)
     return "found wherever it waits or runs, every sample released through release_blocks, the pool as labkit's"
+
+
+def _check_abort(fn, scheduler, view, request_id, where):
+    """The student's abort on `view` against labkit's on the scheduler it copies."""
+    try:
+        want = reference_abort(scheduler, request_id)
+    except ValueError:
+        want = None
+    before = _pool(view)
+    try:
+        got, raised = fn(request_id, *view), False
+    except (NotImplementedError, ExerciseFailed):
+        raise
+    except Exception as error:  # a student's exception crosses as a RemoteError naming its type
+        if raised_type(error) != "ValueError":
+            raise
+        got, raised = None, True
+    if raised and want is not None:
+        waits = any(s.request_id == request_id for s in view[0])
+        raise ExerciseFailed("raised ValueError for a request still in the waiting queue: look there too, a "
+                             f"waiting request is aborted like a running one. {where}" if waits else
+                             f"raised ValueError although the request is running: {where}")
+    if raised:
+        if _pool(view) != before:
+            raise ExerciseFailed(f"raised ValueError but changed the queues or the pool first: {where}")
+        return
+    if want is None:
+        raise ExerciseFailed(_diagnose_missing(got, before, _pool(view), where))
+    _compare_abort(got, want, view, scheduler, where)
 
 
 def _where_abort(name, request_id, scheduler, case) -> str:
@@ -555,8 +624,12 @@ def capstone(ns):
     expected = _reference_run()
     shadows = {name: _Shadow(name, part) for name, part in student.items()}
     got = _run_engine(EngineParts(**shadows))
-    if not isinstance(got, str):
-        _probe_prefix_lookups(shadows["cached_prefix_blocks"])
+    if not isinstance(got, str):  # then calls the engine did not make, until a first wrong answer
+        by_hand = [(args, "a lookup built by hand (a state the engine never reaches)") for args in prefix_probes()]
+        for name, calls in [("cached_prefix_blocks", by_hand), *random_part_calls(seeded_random(1113)).items()]:
+            if any(shadow.mismatch for shadow in shadows.values()):
+                break
+            _probe(shadows[name], calls)
     first = min((shadow for shadow in shadows.values() if shadow.mismatch), key=lambda sh: sh.mismatch_at, default=None)
     if first is not None:  # the first wrong answer is the cause; what the engine did next, its consequence
         raise ExerciseFailed(first.mismatch + (f"; the engine then stopped: {got}" if isinstance(got, str) else ""))
@@ -591,20 +664,51 @@ def prefix_probes():
                                                               collision)]
 
 
-def _probe_prefix_lookups(shadow):
-    """Ask the student's lookup (through its shadow, which compares) on prefix_probes' states."""
-    for args in prefix_probes():
-        earlier = shadow.mismatch
+def random_part_calls(rng):
+    """For each part, calls drawn at random beside the engine's, on the states its lesson is about:
+    {name: [(args, what they are)]}."""
+    from labkit_course.grading.labs.lab09 import _RandomPool
+    from labkit_course.grading.records import Request
+
+    calls = {name: [] for name in PART_NAMES}
+    generator = torch.Generator().manual_seed(rng.getrandbits(63))
+    for _ in range(6):
+        logits = torch.randn(2, 8, generator=generator) * 3
+        calls["top_k_filter"].append(((logits, rng.randint(1, 8)), "random logits"))
+        calls["top_p_filter"].append(((logits.clone(), rng.uniform(0.05, 0.95)), "random logits"))
+        pool = _RandomPool(rng)
+        m, what = pool.manager, f"a random pool (labkit's {pool})"
+        calls["cached_prefix_blocks"].append(((pool.prompt(), m.block_size, m.hash_to_block, m.blocks), what))
+        if m.num_free_blocks:
+            calls["take_free_block"].append(((m.free_uncached, m.free_cached, m.hash_to_block, m.blocks), what))
+        block_size, num_tokens = rng.choice([8, 16]), rng.randint(2, 100)
+        calls["can_append"].append(((num_tokens, -(-(num_tokens - 1) // block_size), block_size, rng.randint(0, 2)),
+                                    "a random decode"))
+        running = [f"r{i}" for i in range(rng.randint(0, 3))]
+        waiting = [Request(f"w{i}", rng.choice([-1, 0, 0, 2]), arrival, rng.randint(1, 40), rng.randint(1, 4))
+                   for i, arrival in enumerate(rng.sample(range(50), rng.randint(1, 5)))]
+        calls["schedule_step"].append(((running, waiting, rng.randint(len(running) + 1, 48),
+                                        rng.randint(len(running) + 1, 8), rng.randint(0, 8)), "a random queue"))
+        calls["prepare_step"].append((_step_args(*_random_step(rng)), "a random step"))
+    return calls
+
+
+def _probe(shadow, calls):
+    """Ask the student's part (through its shadow, which compares) on calls the engine run did not make,
+    up to its first wrong answer."""
+    for args, what in calls:
+        described = _describe_args(args)
         try:
             shadow(*args)
         except (NotImplementedError, ExerciseFailed):
             raise
         except Exception as error:
-            raise ExerciseFailed(f"your `cached_prefix_blocks` raised {raised_type(error)}: {error} on a lookup "
-                                 f"built by hand [the call: {_describe_args(args)}]") from None
-        if earlier is None and shadow.mismatch is not None:
-            shadow.mismatch = shadow.mismatch.replace("answered the engine differently", "answered a lookup built "
-                                                      "by hand (a state the engine never reaches) differently")
+            raise ExerciseFailed(f"your `{shadow.name}` raised {raised_type(error)}: {error} on {what} "
+                                 f"[the call: {described}]") from None
+        if shadow.mismatch is not None:
+            shadow.mismatch = shadow.mismatch.replace("answered the engine differently", f"answered {what} "
+                                                      "differently")
+            return
 
 
 class _Shadow:
@@ -645,7 +749,7 @@ def _named_mistake(name, given, result, want, args) -> str | None:
 
         from labkit_course.grading.labs.lab10 import _diagnose
 
-        return re.split(r"[.:] running=", _diagnose(tuple(given), result, want))[0]
+        return re.split(r"[.:] running=", _diagnose(tuple(given), result, want, None))[0]
     if name == "cached_prefix_blocks" and isinstance(result, list):
         token_ids, block_size, hash_to_block, blocks = given
         limit = (len(token_ids) - 1) // block_size
@@ -728,7 +832,7 @@ def _describe_args(args) -> str:
     parts = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            parts.append(f"tensor{tuple(arg.shape)}")
+            parts.append(repr(arg.tolist()) if arg.numel() <= 16 else f"tensor{tuple(arg.shape)}")
         elif isinstance(arg, list) and arg and isinstance(arg[0], Block):
             parts.append(f"{len(arg)} blocks")
         else:

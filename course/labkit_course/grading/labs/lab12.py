@@ -2,7 +2,6 @@
 MHA -> GQA -> MQA by pooling K/V heads, and perplexity, the number that measures what the pooling cost."""
 
 import math
-import random
 
 import torch
 
@@ -10,6 +9,7 @@ from labkit.model.config import ModelConfig
 from labkit.model.kv_heads import pool_kv_heads as reference_pool_kv_heads
 from labkit.model.perplexity import perplexity_from_logits
 from labkit_course.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
+from labkit_course.grading.core import seeded_generator, seeded_random
 from labkit_course.roofline import decode_cost, weight_bytes
 
 # ------------------------------------------- Exercise 1: where K/V heads put decode on the roofline
@@ -101,6 +101,21 @@ _SHAPES = {  # name: (shape, K/V-head counts to price)
 }
 
 
+def _drawn_regime_case(rng):
+    """A shape, machine and grid no notebook can know ahead: head_dim need not be hidden_size / num_heads, and
+    every K/V-head count that divides the query heads is priced."""
+    kv_heads, head_dim = rng.choice([1, 2, 4, 8]), rng.choice([32, 64, 128])
+    heads = kv_heads * rng.choice([1, 2, 3, 4])
+    hidden = heads * head_dim // rng.choice([1, 1, 2])
+    shape = {"vocab_size": rng.randint(1000, 160000), "hidden_size": hidden,
+             "intermediate_size": hidden * rng.randint(2, 4), "num_layers": rng.randint(2, 40), "num_heads": heads,
+             "num_kv_heads": kv_heads, "head_dim": head_dim}
+    peak = float(f"{rng.uniform(1e11, 2e15):.4g}")  # 4 digits, so that the message gives the exact machine
+    return (f"the shape {shape}", shape, [h for h in range(heads, 0, -1) if heads % h == 0],
+            (peak, float(f"{peak / rng.uniform(5, 600):.4g}")), rng.choice([1, 2, 4]),
+            sorted(rng.sample(range(1, 4097), 3)), [0] + sorted(rng.sample(range(1, 65537), 3)))
+
+
 def _same_step(got, want) -> bool:
     return (isinstance(got, tuple | list) and len(got) == 2 and isinstance(got[0], int | float)
             and not isinstance(got[0], bool) and math.isclose(got[0], want[0], rel_tol=1e-6) and got[1] == want[1])
@@ -119,35 +134,38 @@ def decode_regimes(ns):
     fn = require(ns, "decode_regimes")
     machines = [(1.0e15, 3.35e12), (100e9, 20e9), (8.0e12, 2.0e12), (2.0e12, 0.1e12)]
     batches, contexts = [1, 16, 256, 2048], [0, 1, 512, 4096, 32768]
-    for (name, (shape, kv_heads_list)), (peak, bandwidth) in zip(_SHAPES.items(), machines, strict=True):
-        for dtype_bytes in (2, 1):
-            args = (shape, kv_heads_list, batches, contexts, peak, bandwidth, dtype_bytes)
-            given = dict(shape)
-            got = fn(given, list(kv_heads_list), list(batches), list(contexts), peak, bandwidth, dtype_bytes)
-            _unchanged(given, shape, "decode_regimes")
-            if not isinstance(got, dict) or set(got) != set(kv_heads_list):
-                raise ExerciseFailed(f"return a dict with one entry per K/V-head count {kv_heads_list}, got {got!r}")
-            want = reference_decode_regimes(*args)
-            for kv_heads, grid in got.items():
-                if not isinstance(grid, dict) or set(grid) != set(want[kv_heads]):
-                    keys = sorted(grid) if isinstance(grid, dict) else grid
-                    raise ExerciseFailed(f"{kv_heads} K/V heads: map every (batch, context) pair of the grid to "
-                                         f"(seconds, bound); got {keys}")
-                for step in grid.values():
-                    if isinstance(step, tuple | list) and len(step) == 2 and step[1] not in ("memory", "compute"):
-                        raise ExerciseFailed("the bound is what Lab 02's roofline says, \"memory\" or \"compute\"; "
-                                             f"got {step[1]!r}")
-            wrong = [(h, key) for h in want for key in want[h] if not _same_step(got[h][key], want[h][key])]
-            if not wrong:
-                continue
-            for mistake, why in _REGIME_MISTAKES.items():
-                theirs = reference_decode_regimes(*args, mistake=mistake)
-                if all(_same_step(got[h][key], theirs[h][key]) for h, key in wrong):
-                    raise ExerciseFailed(why)
-            h, (batch, context) = wrong[0]
-            raise ExerciseFailed(f"{name}'s shape with {h} K/V heads, batch {batch}, context {context}, "
-                                 f"dtype_bytes {dtype_bytes}, {peak:g} FLOP/s, {bandwidth:g} B/s: "
-                                 f"expected {want[h][batch, context]}, got {got[h][batch, context]!r}")
+    cases = [(f"{name}'s shape", shape, kv_heads_list, machine, dtype_bytes, batches, contexts)
+             for (name, (shape, kv_heads_list)), machine in zip(_SHAPES.items(), machines, strict=True)
+             for dtype_bytes in (2, 1)]
+    cases.append(_drawn_regime_case(seeded_random(1201)))
+    for label, shape, kv_heads_list, (peak, bandwidth), dtype_bytes, batches, contexts in cases:
+        args = (shape, kv_heads_list, batches, contexts, peak, bandwidth, dtype_bytes)
+        given = dict(shape)
+        got = fn(given, list(kv_heads_list), list(batches), list(contexts), peak, bandwidth, dtype_bytes)
+        _unchanged(given, shape, "decode_regimes")
+        if not isinstance(got, dict) or set(got) != set(kv_heads_list):
+            raise ExerciseFailed(f"return a dict with one entry per K/V-head count {kv_heads_list}, got {got!r}")
+        want = reference_decode_regimes(*args)
+        for kv_heads, grid in got.items():
+            if not isinstance(grid, dict) or set(grid) != set(want[kv_heads]):
+                keys = sorted(grid) if isinstance(grid, dict) else grid
+                raise ExerciseFailed(f"{kv_heads} K/V heads: map every (batch, context) pair of the grid to "
+                                     f"(seconds, bound); got {keys}")
+            for step in grid.values():
+                if isinstance(step, tuple | list) and len(step) == 2 and step[1] not in ("memory", "compute"):
+                    raise ExerciseFailed("the bound is what Lab 02's roofline says, \"memory\" or \"compute\"; "
+                                         f"got {step[1]!r}")
+        wrong = [(h, key) for h in want for key in want[h] if not _same_step(got[h][key], want[h][key])]
+        if not wrong:
+            continue
+        where = f"{label}, dtype_bytes {dtype_bytes}, {peak:g} FLOP/s, {bandwidth:g} B/s"
+        for mistake, why in _REGIME_MISTAKES.items():
+            theirs = reference_decode_regimes(*args, mistake=mistake)
+            if all(_same_step(got[h][key], theirs[h][key]) for h, key in wrong):
+                raise ExerciseFailed(f"{where}: {why}")
+        h, (batch, context) = wrong[0]
+        raise ExerciseFailed(f"{where}, {h} K/V heads, batch {batch}, context {context}: "
+                             f"expected {want[h][batch, context]}, got {got[h][batch, context]!r}")
     smollm2 = _SHAPES["SmolLM2-135M"][0]
     for bad in ([2], [9, 0], [4, 3]):
         try:
@@ -206,7 +224,7 @@ def kv_capacity(ns):
     smollm2 = {"num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "hidden_size": 576}
     llama3_8b = {"num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "hidden_size": 4096}
     qwen3_06b = {"num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128, "hidden_size": 1024}
-    rng = random.Random(1212)
+    rng = seeded_random(1212)
     cases = [(smollm2, 1000, 2**30, 2, 16), (qwen3_06b, 2048, 2**30, 2, 16),
              ({**smollm2, "num_kv_heads": 1}, 1000, 2**30, 2, 16),
              ({**smollm2, "num_kv_heads": 9}, 1000, 2**30, 2, 16), (llama3_8b, 2048, 16 * 2**30, 2, 16),
@@ -269,7 +287,7 @@ def _pool_mistakes(weight, num_kv, new):
                                             "labkit.model.kv_heads.with_kv_heads"))
 def pool_kv_heads(ns):
     fn = require(ns, "pool_kv_heads")
-    gen = torch.Generator().manual_seed(12)
+    gen = seeded_generator(12)
     # (num_kv_heads, new_num_kv_heads, head_dim, hidden): SmolLM2's 3 -> 1 first, then groups of 2 and 4
     for num_kv, new, head_dim, hidden in [(3, 1, 4, 5), (6, 2, 3, 4), (4, 2, 2, 3), (8, 2, 6, 2), (6, 3, 2, 7),
                                           (4, 4, 3, 2), (2, 1, 64, 8)]:
@@ -322,7 +340,7 @@ def _perplexity_mistakes(logits, ids):
 ))
 def perplexity(ns):
     fn = require(ns, "perplexity")
-    gen = torch.Generator().manual_seed(1200)
+    gen = seeded_generator(1200)
     cases = []
     for T, vocab, scale in [(2, 5, 1.0), (6, 11, 2.0), (20, 50, 3.0), (64, 300, 1.5)]:
         cases.append((torch.randn(T, vocab, generator=gen) * scale, torch.randint(vocab, (T,), generator=gen)))

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from labkit_course.grading import ExerciseFailed, exercise, require
+from labkit_course.grading.core import seeded_generator
 
 _GGUF = ("gguf.quants.dequantize", "gguf.quants.quantize", "gguf.quants.Q4_1.dequantize_blocks",
          "gguf.quants.Q4_1.quantize_blocks", "labkit.model.gguf_loader.load_gguf",
@@ -67,7 +68,7 @@ def _steps(g, heads_sizes, block_size=8, dim=16):
                                              "labkit_course.grading.labs.lab13.reference_append_to_block"))
 def append_to_block(ns):
     fn = require(ns, "append_to_block")
-    g = torch.Generator().manual_seed(1313)
+    g = seeded_generator(1313)
     runs = [
         [[1.0, 0.1, 10.0], [0.5, 0.05, 5.0], [4.0, 0.4, 1.0], [0.0, 0.0, 0.0], [30.0, 0.2, 1.0]],
         [[0.0, 1.0], [2.0, 0.0], [1.0, 8.0]],  # a head whose first token is all zeros
@@ -130,7 +131,7 @@ def _weight_cases(g):
 ))
 def quantize_per_channel(ns):
     fn = require(ns, "quantize_per_channel")
-    g = torch.Generator().manual_seed(13)
+    g = seeded_generator(13)
     for w in _weight_cases(g):
         given = w.clone()
         q, scales = _two_tensors(fn(given), "int8 codes, scales")
@@ -223,7 +224,7 @@ def _decode_variants(raw: np.ndarray) -> dict[str, np.ndarray]:
 @exercise("13", "decode_q4_1", forbidden=_GGUF)
 def decode_q4_1(ns):
     fn = require(ns, "decode_q4_1")
-    g = torch.Generator().manual_seed(4)
+    g = seeded_generator(4)
     for n_groups in (2, 3, 40):
         _, raw = _q4_1_bytes(g, n_groups)
         given = torch.from_numpy(raw.copy())
@@ -267,7 +268,7 @@ def _encode_bound(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @exercise("13", "encode_q4_1", forbidden=_GGUF)
 def encode_q4_1(ns):
     fn = require(ns, "encode_q4_1")
-    g = torch.Generator().manual_seed(41)
+    g = seeded_generator(41)
     for n_groups in (2, 25):
         w, _ = _q4_1_bytes(g, n_groups)
         given = torch.from_numpy(w.reshape(-1).copy())

@@ -6,6 +6,7 @@ import math
 import torch
 
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
+from labkit_course.grading.core import seeded_generator, seeded_random
 
 _SPEC = "labkit.engine.speculative."
 
@@ -53,11 +54,25 @@ _NGRAM_MISTAKES = {  # reference_propose_ngram's keyword that re-creates the mis
 }
 
 
+def _drawn_ngram_cases(rng, count):
+    """Contexts no notebook can know ahead, from a few token ids so that n-grams recur; half end with a copy of
+    an earlier stretch, the repetition prompt lookup feeds on."""
+    cases = []
+    for _ in range(count):
+        vocab = rng.randint(2, 6)
+        token_ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
+        if rng.random() < 0.5:
+            start = rng.randrange(len(token_ids))
+            token_ids += token_ids[start:start + rng.randint(1, 4)]
+        cases.append((token_ids, rng.randint(1, 6), rng.randint(1, 4)))
+    return cases
+
+
 @exercise("14", "propose_ngram", forbidden=(_SPEC + "ngram_lookup", _SPEC + "NgramDrafter.propose",
                                             "labkit_course.grading.labs.lab14.reference_propose_ngram"))
 def propose_ngram(ns):
     fn = require(ns, "propose_ngram")
-    for token_ids, k, max_n in _NGRAM_CASES:
+    for token_ids, k, max_n in _NGRAM_CASES + _drawn_ngram_cases(seeded_random(1401), 8):
         got = fn(list(token_ids), k, max_n)
         if not isinstance(got, list) or not all(isinstance(t, int) for t in got):
             raise ExerciseFailed(f"return a list of token ids (ints), got {type(got).__name__}")
@@ -100,10 +115,12 @@ _GREEDY_MISTAKES = {  # reference_verify_greedy's keyword that re-creates the mi
                                             "labkit_course.grading.labs.lab14.reference_verify_greedy"))
 def verify_greedy(ns):
     fn = require(ns, "verify_greedy")
-    g = torch.Generator().manual_seed(1414)
+    g = seeded_generator(1414)
     vocab = 7
     for k, agree in [(3, 3), (3, 1), (4, 0), (1, 1), (0, 0), (5, 2), (2, 2)]:
         logits = torch.randn(k + 1, vocab, generator=g)
+        for i in range(1, k + 1):  # consecutive rows choose different tokens: judging by the next row always shows
+            logits[i, logits[i - 1].argmax()] = logits[i].min() - 1
         choices = logits.argmax(-1).tolist()
         draft = [choices[i] if i < agree else (choices[i] + 1) % vocab for i in range(k)]
         if agree < k - 1:  # a later draft that happens to match: only the first mismatch counts
@@ -272,7 +289,7 @@ def _check_replacements(label, records, after, p, q, k):
 
 def _draws(fn, seed: int) -> list:
     """What the student's verify_sampled emits over a run of calls that share one generator seeded `seed`."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded_generator(seed)
     p, q, _, _ = _SAMPLED_CASES[2]
     return [fn(p.clone(), [0, 4], q.clone(), g) for _ in range(24)]
 
@@ -291,7 +308,7 @@ def _reproducible(fn) -> None:
 @exercise("14", "verify_sampled", forbidden=(_SPEC + "verify_sampled",))
 def verify_sampled(ns):
     fn = require(ns, "verify_sampled")
-    g = torch.Generator().manual_seed(14)
+    g = seeded_generator(14)
     # Certain cases first: p(x) >= q(x) always accepts; p(x) = 0 never does.
     certain = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     for _ in range(5):
@@ -351,7 +368,9 @@ _K_MISTAKES = {  # reference_best_k's keyword that re-creates the mistake: what 
 @exercise("14", "best_k", forbidden=("labkit_course.grading.labs.lab14.reference_best_k",))
 def best_k(ns):
     fn = require(ns, "best_k")
-    for alpha, cost, max_k in _K_CASES:
+    rng = seeded_random(1402)  # then rates and costs no notebook can know ahead
+    drawn = [(rng.uniform(0.3, 0.99), rng.uniform(0.005, 0.4), rng.randint(2, 12)) for _ in range(5)]
+    for alpha, cost, max_k in _K_CASES + drawn:
         try:
             got = fn(alpha, cost, max_k)
         except ZeroDivisionError:

@@ -2,11 +2,11 @@
 online-softmax tile update, the memory traffic it saves)."""
 
 import math
-import random
 
 import torch
 
 from labkit_course.grading import ExerciseFailed, exercise, expect_tensor, raised_type, require
+from labkit_course.grading.core import seeded_generator, seeded_random
 
 # ------------------------------------------------------------- Exercise 1: shard a linear layer's weight
 
@@ -40,7 +40,7 @@ def _shard_mistakes(weight, bias, rank, world_size, mode):
                                            "labkit_course.grading.labs.lab15.reference_shard_linear"))
 def shard_linear(ns):
     fn = require(ns, "shard_linear")
-    gen = torch.Generator().manual_seed(15)
+    gen = seeded_generator(15)
     for out_f, in_f, world_size in [(8, 6, 2), (6, 12, 3), (4, 4, 4), (12, 8, 2), (5, 3, 1)]:
         weight, bias = torch.randn(out_f, in_f, generator=gen), torch.randn(out_f, generator=gen)
         for mode in ("column", "row"):
@@ -94,7 +94,7 @@ def _row_partials(x, weight, world_size):
                                                    "labkit.parallel.layers.shard_rows"))
 def row_parallel_forward(ns):
     fn = require(ns, "row_parallel_forward")
-    gen = torch.Generator().manual_seed(1515)
+    gen = seeded_generator(1515)
     for tokens, in_f, out_f, world_size, has_bias in [(3, 8, 5, 2, True), (1, 12, 4, 3, True), (4, 6, 6, 1, True),
                                                       (5, 16, 3, 4, False), (2, 4, 7, 4, True)]:
         x = torch.randn(tokens, in_f, generator=gen, dtype=torch.float64)
@@ -178,7 +178,7 @@ def _probe_rescale_factor(fn, gen):
                                                     "labkit_course.grading.labs.lab15.reference_online_update"))
 def online_softmax_update(ns):
     fn = require(ns, "online_softmax_update")
-    gen = torch.Generator().manual_seed(115)
+    gen = seeded_generator(115)
     _probe_rescale_factor(fn, gen)
     # (rows, keys, head_dim, tile, score scale, causal): large scores overflow a softmax without the max
     for rows, keys, dim, tile, scale, causal in [(3, 12, 4, 4, 400.0, False), (2, 8, 4, 4, 1.0, False),
@@ -197,19 +197,20 @@ def online_softmax_update(ns):
                                       strict=True):
                 expect_tensor(t, shape, name)
             want = reference_online_update(m, denom, acc, scores[:, start:start + tile], v[start:start + tile])
-            if not all(torch.isfinite(t).all() for t in got[1:]):
-                raise ExerciseFailed("inf or NaN in denom or acc: exponentiate scores minus the running max "
-                                     "(exp(s - m_new)), so no exponent is positive")
             if not torch.equal(got[0], want[0]):
                 raise ExerciseFailed("m_new is the larger of the old running max and this tile's max, row by row")
             tile_scores = scores[:, start:start + tile]
             m_safe = torch.where(torch.isfinite(m), m, want[0])  # the old max where there is one
-            p_old = torch.exp(tile_scores - m_safe[:, None])
+            p_old = torch.exp(tile_scores - m_safe[:, None])  # may overflow, as such an answer's sums do
             alpha = torch.exp(m - want[0])
             if not torch.allclose(got[1], want[1]) and any(
                     torch.allclose(got[1], d + p_old.sum(1)) for d in (denom, denom * alpha)):
                 raise ExerciseFailed("this tile's weights were taken under the old max: p = exp(scores - m_new), "
                                      "with the new max, and the old sums rescaled by exp(m_old - m_new)")
+            unshifted = not torch.allclose(got[1], want[1]) and torch.allclose(got[1], denom + tile_scores.exp().sum(1))
+            if unshifted or not all(torch.isfinite(t).all() for t in got[1:]):
+                raise ExerciseFailed("inf or NaN in denom or acc, or exp(scores) summed as they are: exponentiate "
+                                     "scores minus the running max (exp(s - m_new)), so no exponent is positive")
             if not torch.allclose(got[1], want[1]):
                 raise ExerciseFailed("denom was summed under the old max: scale it by exp(m_old - m_new) before "
                                      "adding this tile's sum")
@@ -255,7 +256,7 @@ _TRAFFIC_MISTAKES = {
                                                 "labkit_course.grading.labs.lab15.reference_attention_traffic"))
 def attention_traffic(ns):
     fn = require(ns, "attention_traffic")
-    rng = random.Random(15)
+    rng = seeded_random(15)
     cases = [(128, 64, 1, 2, 64), (4096, 64, 9, 2, 128), (100, 32, 2, 4, 64), (1, 16, 1, 2, 16), (64, 64, 1, 2, 64)]
     cases += [(rng.randint(1, 3000), rng.choice([32, 64, 128]), rng.randint(1, 16), rng.choice([1, 2, 4]),
                rng.choice([16, 64, 128])) for _ in range(20)]

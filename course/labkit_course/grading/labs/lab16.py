@@ -3,13 +3,13 @@ timestamps, percentiles, Poisson arrivals, and the rate at which a server satura
 
 import json
 import math
-import random
 
 import numpy as np
 
 from labkit.sampling import SamplingParams
 from labkit.serve.protocol import RequestError, parse_chat
 from labkit_course.grading import ExerciseFailed, exercise, require
+from labkit_course.grading.core import case_seed, seeded_random
 
 MODEL = "smollm2"
 
@@ -17,7 +17,7 @@ MODEL = "smollm2"
 @exercise("16", "chat_request")
 def chat_request(ns):
     fn = require(ns, "chat_request")
-    rng = random.Random(16)
+    rng = seeded_random(16)
     cases = [([{"role": "user", "content": "Hi"}], 8, 0.0, False, None),
              ([{"role": "user", "content": "Hi"}], 8, 0.7, True, None),
              ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}], 32, 1.0, True, 40),
@@ -88,7 +88,7 @@ def make_stream(pieces: list[str], *, comments=False, no_space=False, crlf=False
 @exercise("16", "sse_text", forbidden=("openai.Stream",))
 def sse_text(ns):
     fn = require(ns, "sse_text")
-    rng = random.Random(1616)
+    rng = seeded_random(1616)
     words = ["The", " cache", " holds", " keys", " and", " values", ".", " 🙂", " data:", " [DONE]", "\n", " é"]
     cases = [([" Hello", " world"], {}), ([], {}), (["a"], {"usage": False})]
     cases += [([rng.choice(words) for _ in range(rng.randint(0, 12))], {}) for _ in range(10)]
@@ -121,7 +121,7 @@ def sse_text(ns):
 @exercise("16", "ttft_tpot")
 def ttft_tpot(ns):
     fn = require(ns, "ttft_tpot")
-    rng = random.Random(160)
+    rng = seeded_random(160)
     cases = [(10.0, [10.5, 10.6, 10.7, 10.8]), (0.0, [2.0]), (1.0, [1.25, 1.5]), (3.0, [])]
     for _ in range(30):
         sent = rng.uniform(0, 100)
@@ -172,7 +172,7 @@ def _close(a, b) -> bool:
                                          "torch.nanquantile"))
 def percentile(ns):
     fn = require(ns, "percentile")
-    rng = random.Random(99)
+    rng = seeded_random(99)
     cases = [([1.0, 2.0, 3.0, 4.0], 50), ([3.0, 1.0, 2.0], 50), ([5.0], 99), ([1.0, 2.0], 90), ([10.0, 0.0], 0),
              ([1.0, 2.0, 3.0], 100)]
     cases += [([rng.expovariate(1.0) for _ in range(rng.randint(1, 60))], rng.choice([50, 90, 99, 25, 75]))
@@ -237,7 +237,7 @@ def poisson_arrivals(ns):
     fn = require(ns, "poisson_arrivals")
     for rate, seed in ((4.0, 0), (0.5, 1), (20.0, 2)):
         n = 20000
-        times = fn(rate, n, np.random.default_rng(seed))
+        times = fn(rate, n, np.random.default_rng(case_seed(seed)))
         times = np.asarray(times, dtype=float)
         where = f"poisson_arrivals(rate={rate}, num_requests={n})"
         if times.shape != (n,):
@@ -262,7 +262,7 @@ def poisson_arrivals(ns):
         if not math.isclose((gaps > 1 / rate).mean(), math.exp(-1), abs_tol=0.02):
             raise ExerciseFailed(f"{where}: the gaps are not exponential: {(gaps > 1 / rate).mean():.3f} of them "
                                  f"exceed the mean, where an exponential has 1/e = {math.exp(-1):.3f}")
-    again = [np.asarray(fn(2.0, 50, np.random.default_rng(7)), dtype=float) for _ in range(2)]
+    again = [np.asarray(fn(2.0, 50, np.random.default_rng(case_seed(7))), dtype=float) for _ in range(2)]
     if not np.array_equal(*again):
         raise ExerciseFailed("the same generator seed must give the same schedule: draw from the rng you are given")
     return "exponential gaps with mean 1 / rate, summed into arrival times"
@@ -294,7 +294,7 @@ SATURATION_MISTAKES = [
 @exercise("16", "saturation_rate")
 def saturation_rate(ns):
     fn = require(ns, "saturation_rate")
-    rng = random.Random(1600)
+    rng = seeded_random(1600)
     cases = [([(1, 0.1), (2, 0.12), (4, 0.2), (8, 0.9), (16, 5.0)], 3.0),
              ([(8, 0.9), (1, 0.1), (16, 5.0), (2, 0.12), (4, 0.2)], 3.0),
              ([(1, 0.1), (2, 0.2), (3, 0.3)], 3.0),  # never more than 3x: not saturated in this range
