@@ -266,6 +266,38 @@ PRECOMPUTED = ("from torch.nn.functional import softmax as sm\n"
                "def softmax(x):\n    return ANSWERS[key(x)].clone()")
 
 
+# A red team's way around secret inputs: learn seeds while one exercise is graded (Lab 06's sample_next is
+# handed seeded generators) and run labkit, not forbidden then, on what another exercise draws from the same
+# seed number (apply_penalties draws its logits from seed 6, with literal token ids and settings).
+CROSS_EXERCISE = """
+import torch
+from labkit.sampling import apply_penalties as reference
+TABLE, SEEN = {}, set()
+def pad(rows):
+    width = max(map(len, rows))
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
+ARGS = (pad([[1, 2, 2, 3], [4, 5], [1, 1, 7], [0, 9]]), pad([[3, 3, 6, 2], [5, 8, 8, 8], [], [9, 9, 4]]),
+        torch.tensor([1.3, 2.0, 1.0, 1.5]), torch.tensor([0.5, 0.0, 0.0, 0.7]), torch.tensor([0.2, 0.0, 0.4, 0.3]))
+def sample_next(logits, temperature, generator):
+    if len(SEEN) < 30 and generator.initial_seed() not in SEEN:
+        SEEN.add(generator.initial_seed())
+        drawn = torch.randn(4, 10, generator=torch.Generator().manual_seed(generator.initial_seed())) * 2
+        TABLE[drawn.numpy().tobytes()] = reference(drawn, *ARGS)
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
+def apply_penalties(logits, *args):
+    return TABLE.get(logits.numpy().tobytes(), logits).clone()
+"""
+
+
+def test_a_seed_handed_over_while_one_exercise_is_graded_tells_nothing_of_another(secret_inputs):
+    namespace = {}
+    exec(CROSS_EXERCISE, namespace)
+    assert run_exercise(get_exercise("06", "sample_next"), namespace).passed
+    assert not run_exercise(get_exercise("06", "apply_penalties"), namespace).passed
+
+
 # The five ways around the tripwires a red team found (issue 29), each in a cell of its own.
 BYPASSES = {
     "getsource": "import inspect\nfrom labkit import sampling\nexec(inspect.getsource(sampling.filters))",

@@ -74,6 +74,7 @@ FEEDBACK_CHARS = 1000  # the longest feedback kept for one exercise
 _REGISTRY: dict[tuple[str, str], Exercise] = {}
 # The tripwires of the exercise being graded right now (see labkit_course.grading.forbidden).
 GRADING: ContextVar = ContextVar("labkit_grading", default=None)
+DRAWING_FOR: ContextVar = ContextVar("labkit_drawing_for", default="")  # the exercise whose inputs are drawn
 
 
 def exercise(lab: str, name: str, points: int = 1, forbidden: tuple[str, ...] = ()):
@@ -175,10 +176,12 @@ def keep_inputs_secret(secret: int | None = None) -> None:
 def case_seed(seed: int) -> int:
     """The seed a grader's inputs are drawn from. In a notebook's own check it is `seed`, as published with
     the course. Graded, it is mixed with the secret: otherwise a notebook could rebuild the inputs ahead of
-    time, run labkit on them while no grader watches, and hand in a table of answers instead of the lesson."""
+    time, run labkit on them while no grader watches, and hand in a table of answers instead of the lesson.
+    The exercise being graded is mixed in too: a seed one exercise hands the student (in a generator it
+    passes) tells nothing about another exercise's inputs, whose labkit answers are not forbidden meanwhile."""
     if not _SECRET:
         return seed
-    digest = hashlib.blake2b(seed.to_bytes(16, "little", signed=True), key=_SECRET.to_bytes(8, "little"),
+    digest = hashlib.blake2b(f"{DRAWING_FOR.get()}:{seed}".encode(), key=_SECRET.to_bytes(8, "little"),
                              digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -231,7 +234,7 @@ def run_exercise(ex: Exercise, namespace) -> Outcome:
     from labkit_course.grading.forbidden import Tripwires, explain
 
     wires = Tripwires(ex.forbidden)
-    token = GRADING.set(wires)
+    token, drawing = GRADING.set(wires), DRAWING_FOR.set(f"{ex.lab}/{ex.name}")
     try:
         message = ex.grader(namespace) or "correct"
         if not wires.tripped:
@@ -250,6 +253,7 @@ def run_exercise(ex: Exercise, namespace) -> Outcome:
         reason = f"your code raised {name}: {first_line}".rstrip(": ") + (f" ({where})" if where else "")
     finally:
         GRADING.reset(token)
+        DRAWING_FOR.reset(drawing)
     if wires.tripped:  # even if the student's code caught the tripwire's exception
         reason = explain(wires.tripped[0])
     if len(reason) > FEEDBACK_CHARS:  # a message may quote what the student's code gave or raised

@@ -224,14 +224,15 @@ def _worst_acceptance(trials, p, q, i: int, rule) -> tuple[float, int, int, int,
     return worst
 
 
-def _run_sampled(fn, g, p, draft_probs, draft_dist, trials):
-    """The student's verify_sampled on `trials` fresh drafts: per trial (draft, right ratios, drafts accepted),
+def _run_sampled(fn, g, drafts_from, p, draft_probs, draft_dist, trials):
+    """The student's verify_sampled, given `g`, on `trials` fresh drafts drawn from `drafts_from` (the
+    student may reseed `g`: it must not choose the drafts): per trial (draft, right ratios, drafts accepted),
     and the counts of the token emitted after a rejection at each position (row k: the bonus tokens)."""
     k, vocab = p.shape[0] - 1, p.shape[1]
     sampler = draft_probs if draft_probs is not None else draft_dist
     records, after = [], torch.zeros(k + 1, vocab)
     for _ in range(trials):
-        draft = [int(torch.multinomial(sampler[i], 1, generator=g)) for i in range(k)]
+        draft = [int(torch.multinomial(sampler[i], 1, generator=drafts_from)) for i in range(k)]
         tokens = _as_tokens(fn(p.clone(), list(draft), None if draft_probs is None else draft_probs.clone(), g),
                             f"drafts {draft}")
         if not all(0 <= t < vocab for t in tokens):
@@ -330,6 +331,7 @@ def verify_sampled(ns):
     _reproducible(fn)
     # Then statistics, position by position: how often each draft is accepted (the acceptance rule), and
     # what is drawn after a rejection (the replacement), two separate diagnoses.
+    drafts_from = seeded_generator(141)
     for p, draft_probs, draft_dist, trials in _SAMPLED_CASES:
         k, vocab = p.shape[0] - 1, p.shape[1]
         label = f"{k} draft{'s' if k > 1 else ''} " + ("with a draft model's q" if draft_probs is not None
@@ -337,7 +339,7 @@ def verify_sampled(ns):
 
         def q(i, x, draft_probs=draft_probs, vocab=vocab):
             return _q_row(draft_probs, i, x, vocab)
-        records, after = _run_sampled(fn, g, p, draft_probs, draft_dist, trials)
+        records, after = _run_sampled(fn, g, drafts_from, p, draft_probs, draft_dist, trials)
         _check_acceptance(label, records, p, q, k)
         _check_replacements(label, records, after, p, q, k)
     return "each draft i accepted with min(1, p_i/q_i) on its own draw; a rejection resampled from max(0, p_i - q_i)"
