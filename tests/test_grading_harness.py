@@ -93,6 +93,18 @@ def test_inputs_come_from_the_published_seeds_unless_a_secret_is_kept(monkeypatc
     assert core.case_seed(7) == again and 0 <= again < 2**63
 
 
+def test_a_graded_generator_is_keyed_by_the_whole_seed_not_torchs_32_bits(monkeypatch):
+    pair = (5, 5 + 2**32)
+    assert torch.equal(*(torch.randn(4, generator=torch.Generator().manual_seed(s)) for s in pair)), "torch's 32 bits"
+    monkeypatch.setattr(core, "_SECRET", 123)
+    drawn = []
+    for seed in pair:
+        monkeypatch.setattr(core, "case_seed", lambda _, seed=seed: seed)
+        drawn.append([torch.randn(4, generator=core.seeded_generator(0)) for _ in range(2)])
+    assert all(torch.equal(*draws) for draws in drawn), "the same seed, the same stream"
+    assert not torch.equal(drawn[0][0], drawn[1][0])
+
+
 def test_unknown_exercise_lists_the_labs_exercises():
     with pytest.raises(KeyError, match="its exercises: softmax"):
         check("00", "nope", {})
