@@ -196,15 +196,15 @@ def seeded_generator(seed: int):
     words of its state come from the whole seed instead."""
     import torch
 
-    generator = torch.Generator().manual_seed(case_seed(seed))
+    drawn_from = case_seed(seed)
+    generator = torch.Generator().manual_seed(drawn_from)
     if not _SECRET:
         return generator
     state = bytearray(generator.get_state().numpy().tobytes())
-    initial, left, seeded, _, *_ = _MT_STATE.unpack_from(state)
-    if (initial, left, seeded) != (case_seed(seed), 1, 1):
+    if _MT_STATE.unpack_from(state)[:3] != (drawn_from, 1, 1):
         raise RuntimeError(f"torch {torch.__version__} lays out its generator's state in a way grading does not know")
-    words = random.Random(case_seed(seed)).getrandbits(32 * 624)
-    _MT_STATE.pack_into(state, 0, initial, left, seeded, 0, *((words >> 32 * i) & 0xFFFFFFFF for i in range(624)))
+    words = random.Random(drawn_from).getrandbits(32 * 624)
+    _MT_STATE.pack_into(state, 0, drawn_from, 1, 1, 0, *((words >> 32 * i) & 0xFFFFFFFF for i in range(624)))
     generator.set_state(torch.frombuffer(state, dtype=torch.uint8).clone())
     return generator
 
