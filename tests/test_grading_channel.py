@@ -166,7 +166,8 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         return grader
 
     names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit", "disguised", "held_by_a_class",
-             "reached_at_run_time", "hooked", "launcher_replaced")  # the last one patches triton: it stays last
+             "reached_at_run_time", "raw_function", "rewritten_function", "hooked",
+             "launcher_replaced")  # the last one patches triton: it stays last
     for name in names:
         lab99(name, forbidden=("labkit.attention.triton_kernels.jit_kernels",))(launches(name))
     student = write_notebook(
@@ -199,6 +200,16 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "@triton.jit\ndef looked_up(src, dst, n, BLOCK: tl.constexpr):\n"
         "    globals()['LABKIT_' + 'STORE'](src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
         "def reached_at_run_time():\n    return looked_up",
+        # labkit's kernel as the plain Python the interpreter runs: its function, or the interpreter's rewrite of it
+        "RAW = LABKIT_STORE.fn\n"
+        "@triton.jit\ndef raw(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    RAW(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
+        "def raw_function():\n    return raw",
+        "from triton.runtime.interpreter import InterpretedFunction\n"
+        "REWRITTEN = LABKIT_STORE.rewrite()\nInterpretedFunction.rewritten_fn.clear()\n"
+        "@triton.jit\ndef rewritten(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    REWRITTEN(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
+        "def rewritten_function():\n    return rewritten",
         # the second red team's: an empty kernel whose pre-run hook, or a replaced launcher, copies with torch
         "@triton.jit\ndef empty(src, dst, n, BLOCK: tl.constexpr):\n    pass\n"
         "def hooked():\n    empty.add_pre_run_hook(lambda src, dst, n, BLOCK=None: dst.copy_(src))\n    return empty",
@@ -212,7 +223,8 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
     assert "Launcher is not a Triton kernel" in got["torch_behind_kernel_interface"].message
     for name in ("calls_labkit", "disguised", "held_by_a_class"):
         assert "`store_kv_kernel` is labkit's answer to this exercise" in got[name].message, name
-    assert got["reached_at_run_time"].message == "`jit_kernels` is labkit's answer to this exercise: write your own"
+    for name in ("reached_at_run_time", "raw_function", "rewritten_function"):
+        assert got[name].message == "`jit_kernels` is labkit's answer to this exercise: write your own", name
     assert "the kernel has pre-run hooks" in got["hooked"].message
     assert "Triton's InterpretedFunction.run is not Triton's own" in got["launcher_replaced"].message
 

@@ -227,9 +227,12 @@ def _kernels_in(value, names: set[str], types: tuple[type, ...], depth: int = 2)
 @contextmanager
 def _labkit_kernels_refused(kernel, reached: list, wires: Tripwires):
     """Under Triton's interpreter a kernel is plain Python, which can reach labkit's kernels by routes no look
-    at its code follows (`globals()[...]`). For the launch, each of labkit's kernels raises when called, and
-    the student's kernels are rewritten from their own source: the interpreter keeps each kernel's rewritten
-    function in a cache keyed by its Python function, which the student's code could fill."""
+    at its code follows: `globals()[...]`, a kernel's Python function (`.fn`), the interpreter's rewrite of it
+    (`.rewrite()`). For the launch, labkit's kernels refuse to be launched or called, and what their code
+    names (`tl`: in their closure, and for a rewrite in their module's globals) refuses to be used, so no
+    copy of their function runs either. The student's kernels are rewritten from their own source, since the
+    interpreter keeps each kernel's rewritten function in a cache keyed by its Python function, which the
+    student's code could fill."""
     from triton.runtime.interpreter import InterpretedFunction
 
     if type(kernel) is not InterpretedFunction:
@@ -240,18 +243,49 @@ def _labkit_kernels_refused(kernel, reached: list, wires: Tripwires):
         wires.tripped.append(OWN_KERNELS)
         raise ForbiddenCall(explain(OWN_KERNELS))
 
-    cache = InterpretedFunction.rewritten_fn
-    labkit = [k.fn for k in _labkit_kernels()]
-    saved = {fn: cache[fn] for fn in labkit if fn in cache}
+    class RefusedKernel(InterpretedFunction):
+        __getitem__ = run = __call__ = refused
+
     for jit in reached:
-        cache.pop(jit.fn, None)
-    cache.update(dict.fromkeys(labkit, refused))
+        InterpretedFunction.rewritten_fn.pop(jit.fn, None)
+    kernels = [k for k in _labkit_kernels() if type(k) is InterpretedFunction]
+    functions = [k.fn for k in kernels]
+    cells = list({id(cell): cell for fn in functions for cell in fn.__closure__ or ()}.values())
+    contents = [cell.cell_contents for cell in cells]
+    free = {name for fn in functions for name in fn.__code__.co_freevars}
+    module = functions[0].__globals__
+    module_saved = {name: module[name] for name in free if name in module}
+    for k in kernels:
+        k.__class__ = RefusedKernel
+    for cell in cells:
+        cell.cell_contents = _Refused(refused)
+    module.update(dict.fromkeys(free, _Refused(refused)))
     try:
         yield
     finally:
-        for fn in labkit:
-            cache.pop(fn, None)
-        cache.update(saved)
+        for k in kernels:
+            k.__class__ = InterpretedFunction
+        for cell, value in zip(cells, contents, strict=True):
+            cell.cell_contents = value
+        for name in free:
+            module.pop(name, None)
+        module.update(module_saved)
+
+
+class _Refused:
+    """What labkit's kernels' code finds for the names it uses during a graded launch: any use refuses."""
+
+    def __init__(self, refuse):
+        self._refuse = refuse
+
+    def __getattr__(self, name):
+        self._refuse()
+
+    def __call__(self, *args, **kwargs):
+        self._refuse()
+
+    def __getitem__(self, key):
+        self._refuse()
 
 
 def _names(code: CodeType) -> set[str]:
