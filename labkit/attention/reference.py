@@ -258,12 +258,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return paged_attention(q, k_cache, v_cache, block_tables, cu_q, cu_k)
 
 
-def random_paged_inputs(k_lens, q_lens, num_kv_heads, head_dim, block_size, num_heads, seed=0,
-                        dtype=torch.float32, device="cpu"):
+def random_paged_inputs(k_lens, q_lens, num_kv_heads, head_dim, block_size, num_heads,
+                        seed: int | torch.Generator = 0, dtype=torch.float32, device="cpu"):
     """Random paged caches holding each sequence's K/V in shuffled blocks, plus q and the metadata:
-    (q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k), drawn on the CPU from `seed`, then
-    moved to `device`. Tests and `make gpu-check` compare the kernels with the reference on them."""
-    g = torch.Generator().manual_seed(seed)
+    (q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k), drawn on the CPU from `seed` (an int,
+    or a CPU torch.Generator to draw from), then moved to `device`. Tests and `make gpu-check` compare the
+    kernels with the reference on them."""
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in k_lens]
     num_blocks = sum(blocks_per_seq) + 2
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)

@@ -17,7 +17,7 @@ from labkit.device import pick_device
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
 from labkit_course.grading.agent import check_triton_kernel
 from labkit_course.grading.codec import Handle
-from labkit_course.grading.core import case_seed, seeded_generator
+from labkit_course.grading.core import seeded_generator
 
 # |got - want| <= atol + rtol * |want| against fp32 arithmetic on the same (rounded) inputs: what rounding the
 # output to its dtype costs (the same bounds labkit's kernel meets, section 6 of the lab)
@@ -230,7 +230,7 @@ def _paged_case(q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, se
     past the last block reads junk, not memory beyond the tensor), and junk in every slot past a context."""
     q, k_cache, v_cache, tables, cu_q, cu_k = random_paged_inputs(
         k_lens, q_lens, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, num_heads=heads,
-        seed=case_seed(seed))
+        seed=seeded_generator(seed))
     for s, n in enumerate(k_lens):
         for t in range(n, block_size * tables.shape[1]):
             block = int(tables[s, t // block_size])
