@@ -151,6 +151,38 @@ def test_whatever_holds_a_forbidden_function_from_before_grading_holds_a_guard(t
         assert outcome.message == "`apply_top_k` is labkit's answer to this exercise: write your own", outcome
 
 
+def test_a_forbidden_torch_function_held_deeper_than_the_tripwires_look_holds_a_guard(tmp_path, lab99):
+    """torch's forbidden functions become guards before the first cell too: kept deeper than the tripwires'
+    scan (HOLDER_DEPTH) or in a generator, they still trip when graded, and run as torch's outside."""
+    from labkit_course.grading.session import grade_contained, read_notebook
+
+    def same_as_softmax(name):
+        def grader(ns):
+            x = torch.randn(3, 9, generator=torch.Generator().manual_seed(0))
+            if not torch.allclose(require(ns, name)(x.clone()), x.softmax(-1)):
+                raise ExerciseFailed("wrong")
+            return "ok"
+        return grader
+
+    for name in ("deep", "method_in_generator", "mine"):
+        lab99(name, forbidden=("torch.softmax", "torch.Tensor.softmax"))(same_as_softmax(name))
+    student = write_notebook(
+        tmp_path / "student", "99_torch_holders.ipynb",
+        "import torch\nDEEP = [[[[[torch.softmax]]]]]\n"
+        "def forever(f):\n    while True:\n        yield f\nGEN = forever(torch.Tensor.softmax)\n"
+        "BEFORE = DEEP[0][0][0][0][0](torch.ones(2), 0)  # not graded: torch's own",
+        "def deep(x):\n    return DEEP[0][0][0][0][0](x, -1)",
+        "def method_in_generator(x):\n    return next(GEN)(x, -1)",
+        "def mine(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n    return e / e.sum(-1, keepdim=True)")
+    run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
+    assert not run.failed_cells, run.failed_cells
+    got = {o.name: o for o in run.outcomes}
+    assert got["mine"].passed, got["mine"].message
+    for name, path in (("deep", "torch.softmax"), ("method_in_generator", "torch.Tensor.softmax")):
+        expected = f"`{path}` is what this exercise asks you to write: build it from simpler operations"
+        assert got[name].message == expected, name
+
+
 def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp_path, lab99):
     """`kernel[grid](...)` on a proxy runs the launch in the student's process; outputs come back in place."""
     from labkit_course.grading.session import grade_contained, read_notebook

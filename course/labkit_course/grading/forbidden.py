@@ -12,14 +12,16 @@ object wraps (`functools.wraps`'s `__wrapped__`, a partial's `func`, a staticmet
 as the object itself. Everything is restored afterwards. A static look at the definition's source
 catches the forbidden names even on a path the tests do not exercise.
 
-In a graded kernel, `install_guards` runs before the notebook's first cell: each labkit function the
-lab forbids is replaced, wherever labkit holds it, by a guard that trips while a graded call forbids
-it, so the notebook never holds labkit's own function, in whatever holder it keeps it.
+In a graded kernel, `install_guards` runs before the notebook's first cell: each function the lab
+forbids (labkit's or torch's) is replaced, where its path names it and wherever labkit holds it, by a
+guard that trips while a graded call forbids it, so the notebook never holds the function itself, in
+whatever holder it keeps it.
 
 This is a rule the course states, not a wall. Code running in the student's own process can always
 undo a tripwire: it can reach this module (`labkit_course.grading.forbidden`) and replace
-`Tripwires.armed` with a no-op, patch the agent that arms it, or keep a forbidden torch function
-deeper than the scan looks (`HOLDER_DEPTH`); and a hand copy of labkit's source passes. `labkit_course.grading.rules`
+`Tripwires.armed` with a no-op, patch the agent that arms it, or, in a notebook's own check cells
+where no guard stands, keep a forbidden function deeper than the scan looks (`HOLDER_DEPTH`); and a
+hand copy of labkit's source passes. `labkit_course.grading.rules`
 fails the notebooks that visibly do such things; what stops a forged *score* is that the score is
 computed elsewhere (see `labkit_course.grading.remote`).
 """
@@ -60,14 +62,16 @@ def unguarded(path: str):
 
 
 def install_guards(paths) -> None:
-    """Before a graded notebook's first cell: each forbidden labkit function, wherever labkit holds it,
-    becomes a guard that calls it, except while a graded call that forbids it runs, when it trips.
+    """Before a graded notebook's first cell: each forbidden function, labkit's or torch's, becomes a guard
+    (where its path names it, and wherever labkit holds it) that calls it, except while a graded call that
+    forbids it runs, when it trips.
 
-    The notebook then never holds labkit's function itself, so no container, weak reference, generator
-    or object it keeps it in hides it from the tripwires. (Paths that do not resolve in the kernel, a
-    grader's own reference, are left out: the sandbox hides the graders.)"""
+    The notebook then never holds the function itself, so no container, weak reference, generator or
+    object it keeps it in, however deep, hides it from the tripwires. (Paths that do not resolve in the
+    kernel, a grader's own reference, are left out: the sandbox hides the graders. Classes are left to the
+    tripwires.)"""
     namespaces, classes = _labkit_homes(len(sys.modules))
-    for path in dict.fromkeys(p for p in paths if p.startswith(("labkit.", "labkit_course."))):
+    for path in dict.fromkeys(paths):
         try:
             owner, name = resolve(path)
         except (ValueError, AttributeError):
