@@ -117,70 +117,48 @@ def test_through_a_real_kernel_references_are_tripped_the_stack_is_ours_and_muta
 
 
 def test_whatever_holds_a_forbidden_function_from_before_grading_holds_a_guard(tmp_path, lab99):
-    """Guards replace the lab's forbidden functions before the notebook's first cell, so the holders the
-    second red team hid them in (an OrderedDict, a weakref, a generator, a class claiming another module)
-    hold a guard that trips; outside a graded call the guard is the function (the notebook's own cells run)."""
+    """Guards replace the lab's forbidden functions, labkit's and torch's, before the notebook's first cell, so
+    the holders the second red team hid them in (an OrderedDict, a weakref, a generator, a class claiming
+    another module) and lists deeper than the tripwires' scan (HOLDER_DEPTH) hold a guard that trips;
+    outside a graded call the guard is the function (the notebook's own cells run)."""
     from labkit_course.grading.session import grade_contained, read_notebook
 
-    def same_as_filter_logits(name):
+    def same_as(name, answer):
         def grader(ns):
-            logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(0))
-            if not torch.equal(require(ns, name)(logits.clone(), 2), filter_logits(logits, top_k=2)):
+            x = torch.randn(3, 9, generator=torch.Generator().manual_seed(0))
+            if not torch.allclose(require(ns, name)(x.clone()), answer(x)):
                 raise ExerciseFailed("wrong")
             return "ok"
         return grader
 
-    names = ("ordered", "weak", "generated", "disguised_class", "notebook_time")
-    for name in names:
-        lab99(name, forbidden=("labkit.sampling.filters.apply_top_k",))(same_as_filter_logits(name))
+    top_k = "`apply_top_k` is labkit's answer to this exercise: write your own"
+    expected = {"ordered": top_k, "weak": top_k, "generated": top_k, "disguised_class": top_k, "notebook_time": top_k}
+    for name in expected:
+        lab99(name, forbidden=("labkit.sampling.filters.apply_top_k",))(
+            same_as(name, lambda x: filter_logits(x, top_k=2)))
+    for name, path in (("deep", "torch.softmax"), ("method_in_generator", "torch.Tensor.softmax"), ("mine", None)):
+        lab99(name, forbidden=("torch.softmax", "torch.Tensor.softmax"))(same_as(name, lambda x: x.softmax(-1)))
+        expected[name] = path and f"`{path}` is what this exercise asks you to write: build it from simpler operations"
     student = write_notebook(
         tmp_path / "student", "99_holders.ipynb",
         "import collections, weakref, torch\nfrom labkit.sampling.filters import apply_top_k\n"
         "HELD = collections.OrderedDict(f=apply_top_k)\nWEAK = weakref.ref(apply_top_k)\n"
         "def forever(f):\n    while True:\n        yield f\nGEN = forever(apply_top_k)\n"
         "Elsewhere = type('Elsewhere', (), {'__module__': 'torch.nn', 'f': staticmethod(apply_top_k)})\n"
-        "BEFORE = apply_top_k(torch.tensor([[1.0, 3.0, 2.0]]), torch.tensor([1]))  # not graded: labkit's own",
-        "def ordered(logits, k):\n    return HELD['f'](logits, k)",
-        "def weak(logits, k):\n    return WEAK()(logits, k)",
-        "def generated(logits, k):\n    return next(GEN)(logits, k)",
-        "def disguised_class(logits, k):\n    return Elsewhere.f(logits, k)",
-        "def notebook_time(logits, k):\n    return BEFORE if False else HELD['f'](logits, k)")
-    run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
-    assert not run.failed_cells, run.failed_cells
-    for outcome in run.outcomes:
-        assert outcome.message == "`apply_top_k` is labkit's answer to this exercise: write your own", outcome
-
-
-def test_a_forbidden_torch_function_held_deeper_than_the_tripwires_look_holds_a_guard(tmp_path, lab99):
-    """torch's forbidden functions become guards before the first cell too: kept deeper than the tripwires'
-    scan (HOLDER_DEPTH) or in a generator, they still trip when graded, and run as torch's outside."""
-    from labkit_course.grading.session import grade_contained, read_notebook
-
-    def same_as_softmax(name):
-        def grader(ns):
-            x = torch.randn(3, 9, generator=torch.Generator().manual_seed(0))
-            if not torch.allclose(require(ns, name)(x.clone()), x.softmax(-1)):
-                raise ExerciseFailed("wrong")
-            return "ok"
-        return grader
-
-    for name in ("deep", "method_in_generator", "mine"):
-        lab99(name, forbidden=("torch.softmax", "torch.Tensor.softmax"))(same_as_softmax(name))
-    student = write_notebook(
-        tmp_path / "student", "99_torch_holders.ipynb",
-        "import torch\nDEEP = [[[[[torch.softmax]]]]]\n"
-        "def forever(f):\n    while True:\n        yield f\nGEN = forever(torch.Tensor.softmax)\n"
-        "BEFORE = DEEP[0][0][0][0][0](torch.ones(2), 0)  # not graded: torch's own",
+        "BEFORE = apply_top_k(torch.tensor([[1.0, 3.0, 2.0]]), torch.tensor([1]))  # not graded: labkit's own\n"
+        "DEEP = [[[[[torch.softmax]]]]]\nSOFTMAXES = forever(torch.Tensor.softmax)\n"
+        "DEEP[0][0][0][0][0](torch.ones(2), 0)  # not graded: torch's own",
+        "def ordered(logits):\n    return HELD['f'](logits, 2)",
+        "def weak(logits):\n    return WEAK()(logits, 2)",
+        "def generated(logits):\n    return next(GEN)(logits, 2)",
+        "def disguised_class(logits):\n    return Elsewhere.f(logits, 2)",
+        "def notebook_time(logits):\n    return BEFORE if False else HELD['f'](logits, 2)",
         "def deep(x):\n    return DEEP[0][0][0][0][0](x, -1)",
-        "def method_in_generator(x):\n    return next(GEN)(x, -1)",
+        "def method_in_generator(x):\n    return next(SOFTMAXES)(x, -1)",
         "def mine(x):\n    e = (x - x.max(-1, keepdim=True).values).exp()\n    return e / e.sum(-1, keepdim=True)")
     run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
     assert not run.failed_cells, run.failed_cells
-    got = {o.name: o for o in run.outcomes}
-    assert got["mine"].passed, got["mine"].message
-    for name, path in (("deep", "torch.softmax"), ("method_in_generator", "torch.Tensor.softmax")):
-        expected = f"`{path}` is what this exercise asks you to write: build it from simpler operations"
-        assert got[name].message == expected, name
+    assert {o.name: None if o.passed else o.message for o in run.outcomes} == expected
 
 
 def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp_path, lab99):
