@@ -653,6 +653,16 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("import operator\ncode = operator.attrgetter('__co' + 'de__')", "attrgetter"),
     ("import py_compile", "py_compile"),
     ("import site\nsite.addsitedir('.')", "site"),
+    # the fourth red team's: a guard's original on the C base class, and torch's internals imported by name
+    ("def f(x):\n    return super(torch.Tensor, x).softmax(-1)", "super"),
+    ("f = torch.Tensor.mro()[1].softmax", "mro"),
+    ("f = torch.Tensor.add.__objclass__.softmax", "__objclass__"),
+    ("import torch._C as C\nC._VariableFunctions.softmax(x, -1)", "torch._C"),
+    ("import torch._VF as VF", "torch._VF"),
+    ("import torch._C._nn as NN", "torch._C"),
+    ("import torch._ops as O\nO.ops.aten._softmax(x, -1, False)", "torch._ops"),
+    ("import torch.library as L", "torch.library"),
+    ("import numpy as np\na = np.asarray(type('M', (), {'__array_interface__': {}})())", "__array_interface__"),
 ])
 def test_the_rules_name_each_way_around_the_tripwires(source, named):
     found = rules.cell_violations(source)
@@ -728,6 +738,8 @@ def test_imports_are_read_through_their_aliases_and_module_attributes():
     "softmax?", "from math import *", "import pandas", "import numpy as np\nnp.exp(1)",
     "import timeit\ntimeit.timeit('softmax(x)', globals=globals(), number=10)", "%%capture\nprint(1)",
     "%timeit -n 10 -r 3 softmax(x)", "site = 'Paris'\ntypes = [1, 2]\ngc = 3\nmock = None",
+    "class Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()",
+    "import torch.nn.functional as F\nimport torch.utils.data", "from torch.nn import functional",
 ])
 def test_honest_code_breaks_no_rule(source):
     assert rules.cell_violations(source) == []
