@@ -176,8 +176,8 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         return grader
 
     names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit", "disguised", "held_by_a_class",
-             "reached_at_run_time", "raw_function", "rewritten_function", "hooked",
-             "launcher_replaced")  # the last one patches triton: it stays last
+             "reached_at_run_time", "raw_function", "rewritten_function", "python_inside", "compile_time_python",
+             "hooked", "launcher_replaced", "init_args_replaced")  # the last two patch triton: they stay last
     for name in names:
         lab99(name, forbidden=("labkit.attention.triton_kernels.jit_kernels",))(launches(name))
     student = write_notebook(
@@ -220,12 +220,29 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "@triton.jit\ndef rewritten(src, dst, n, BLOCK: tl.constexpr):\n"
         "    REWRITTEN(src, src, dst, dst, src, 0, 0, BLOCK, BLOCK)\n"
         "def rewritten_function():\n    return rewritten",
+        # the fourth red team's: plain Python (torch, numpy over raw memory) called from the interpreted kernel, and
+        # Python that Triton's compiler would run while compiling, so that compiled and interpreted kernels differ
+        "def _by_torch(src, dst):\n    pass  # would view the pointers' memory and copy with torch\n"
+        "@triton.jit\ndef python(src, dst, n, BLOCK: tl.constexpr):\n    _by_torch(src, dst)\n"
+        "def python_inside():\n    return python",
+        "@triton.constexpr_function\ndef width(block):\n    return block\n"
+        "@triton.jit\ndef compile_time(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    offs = tl.program_id(0) * BLOCK + tl.arange(0, width(BLOCK))\n"
+        "    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)\n"
+        "def compile_time_python():\n    return compile_time",
         # the second red team's: an empty kernel whose pre-run hook, or a replaced launcher, copies with torch
         "@triton.jit\ndef empty(src, dst, n, BLOCK: tl.constexpr):\n    pass\n"
         "def hooked():\n    empty.add_pre_run_hook(lambda src, dst, n, BLOCK=None: dst.copy_(src))\n    return empty",
-        "def launcher_replaced():\n    from triton.runtime.interpreter import InterpretedFunction\n"
+        "from triton.runtime.interpreter import GridExecutor\nORIGINAL_RUN = InterpretedFunction.run\n"
+        "def launcher_replaced():\n"
         "    InterpretedFunction.run = lambda self, src, dst, n, grid, warmup, **kw: dst.copy_(src)\n"
-        "    return copy_kernel")
+        "    return copy_kernel",
+        "@triton.jit\ndef nothing(src, dst, n, BLOCK: tl.constexpr):\n    pass\n"
+        "def init_args_replaced():  # a step of every launch that is handed the grader's tensors\n"
+        "    InterpretedFunction.run = ORIGINAL_RUN\n    keep = GridExecutor._init_args_hst\n"
+        "    def copying(self, args, kwargs):\n        args[1].copy_(args[0])\n"
+        "        return keep(self, args, kwargs)\n"
+        "    GridExecutor._init_args_hst = copying\n    return nothing")
     run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
     got = {o.name: o for o in run.outcomes}
     assert got["copy"].passed, got["copy"].message
@@ -233,13 +250,45 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
     assert "Launcher is not a Triton kernel" in got["torch_behind_kernel_interface"].message
     for name in ("calls_labkit", "disguised", "held_by_a_class"):
         assert "`store_kv_kernel` is labkit's answer to this exercise" in got[name].message, name
-    for name in ("reached_at_run_time", "raw_function", "rewritten_function"):
-        assert got[name].message == "`jit_kernels` is labkit's answer to this exercise: write your own", name
+    assert "would not compile for a GPU" in got["reached_at_run_time"].message
+    assert "NameError('globals is not defined')" in got["reached_at_run_time"].message
+    for name, kernel, used, kind in (("raw_function", "raw", "RAW", "function"),
+                                     ("rewritten_function", "rewritten", "REWRITTEN", "function"),
+                                     ("python_inside", "python", "_by_torch", "function"),
+                                     ("compile_time_python", "compile_time", "width", "ConstexprFunction")):
+        assert f"your kernel `{kernel}` uses `{used}`, a {kind} that is not Triton's, which Triton would run as " \
+            "Python" in got[name].message, got[name].message
     assert "the kernel has pre-run hooks" in got["hooked"].message
-    assert "Triton's InterpretedFunction.run is not Triton's own" in got["launcher_replaced"].message
+    for name, replaced in (("launcher_replaced", "InterpretedFunction.run"),
+                           ("init_args_replaced", "GridExecutor._init_args_hst")):
+        assert f"`triton.runtime.interpreter.{replaced}` is not the function its package defines" \
+            in got[name].message, got[name].message
 
 
 # --- in-process: tripwires, static checks and the codec ------------------------------------------------
+
+def test_while_a_kernel_launches_labkits_kernels_refuse_to_run_in_any_form():
+    """Behind the checks before a launch, labkit's kernels refuse while the student's runs: launched, called,
+    as their Python function or as the interpreter's rewrite of it, and everything is restored afterwards."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from labkit.attention.triton_kernels import jit_kernels
+    from labkit_course.grading.forbidden import ForbiddenCall
+    from labkit_course.grading.kernels import labkit_kernels_refused
+
+    store = jit_kernels()[0]
+    rewrite = store.rewrite()
+    wires = Tripwires(("labkit.attention.triton_kernels.jit_kernels",))
+    attempts = (lambda: store[(1,)](), lambda: store(), lambda: store.fn(0, 0, 0, 0, 0, 0, 0, 1, 1),
+                lambda: rewrite(0, 0, 0, 0, 0, 0, 0, 1, 1))
+    with labkit_kernels_refused(store, [], wires):
+        for attempt in attempts:
+            with pytest.raises(ForbiddenCall):
+                attempt()
+    assert len(wires.tripped) == len(attempts)
+    assert type(store) is InterpretedFunction and store.fn.__closure__[0].cell_contents is tl
+    assert rewrite.__globals__["tl"] is tl
 
 def test_tripwires_catch_aliases_and_restore_everything():
     originals = torch.softmax, torch.Tensor.softmax, torch.special.softmax, torch.nn.functional.softmax
@@ -662,6 +711,11 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("import torch._C._nn as NN", "torch._C"),
     ("import torch._ops as O\nO.ops.aten._softmax(x, -1, False)", "torch._ops"),
     ("import torch.library as L", "torch.library"),
+    ("import labkit_course as lc\ngrading = vars(lc)['grad' + 'ing']", "vars"),
+    ("import torch\nf = vars(torch)['soft' + 'max']", "vars"),
+    ("import functools, labkit_course\nfunctools.reduce(getattr, ['grading', 'forbidden'], labkit_course)",
+     "getattr"),
+    ("reach = vars\nreach(obj)['x']", "vars"),
     ("import numpy as np\na = np.asarray(type('M', (), {'__array_interface__': {}})())", "__array_interface__"),
 ])
 def test_the_rules_name_each_way_around_the_tripwires(source, named):

@@ -21,10 +21,13 @@ from labkit.attention.triton_kernels import jit_kernels  # noqa: E402
 
 
 def variant(kernel, **switches):
-    """A copy of the `@triton.jit` function `kernel` whose globals hold `switches` (the interpreter runs a
-    kernel's source in its function's globals)."""
+    """A copy of the `@triton.jit` function `kernel` whose globals hold `switches` as constexprs (the interpreter
+    runs a kernel's source in its function's globals, and Triton's compiler reads only constexpr globals)."""
     fn = kernel.fn
-    return triton.jit(types.FunctionType(fn.__code__, {**fn.__globals__, **switches}, fn.__name__))
+    constants = {name: tl.constexpr(value) for name, value in switches.items()}
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **constants}, fn.__name__)
+    copy.__annotations__ = fn.__annotations__
+    return triton.jit(copy)
 
 
 def factory(kernel, **switches):
@@ -33,10 +36,10 @@ def factory(kernel, **switches):
 
 
 # The switches' values in the lab's own answers (each variant sets all of its kernel's)
-TAIL, SHIFT, ONE_TILE, DIVIDE = float("-inf"), True, False, True
-STORE_MASK, STORE_V, SWAP, STRIDE_PAD = "where", True, False, False
-MASK, GQA, RESCALE, FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, SCALED, ONE_MORE, HEAD_ELEMENTS, VISIBLE = (
-    True, "div", True, 0, False, True, False, True, 0, False, "causal")
+TAIL, SHIFT, ONE_TILE, DIVIDE = map(tl.constexpr, (float("-inf"), True, False, True))
+STORE_MASK, STORE_V, SWAP, STRIDE_PAD = map(tl.constexpr, ("where", True, False, False))
+MASK, GQA, RESCALE, FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, SCALED, ONE_MORE, HEAD_ELEMENTS, VISIBLE = map(
+    tl.constexpr, (True, "div", True, 0, False, True, False, True, 0, False, "causal"))
 
 
 @triton.jit
@@ -325,7 +328,8 @@ WRONG = [
           "right only with blocks of 16"),
     Wrong("paged_decode_kernel", "partial last block dropped", decode_variant(whole_blocks=True),
           "wrong when it ends inside one"),
-    Wrong("paged_decode_kernel", "computes in the caches' dtype", decode_variant(f32=False), "wrong in bf16"),
+    Wrong("paged_decode_kernel", "computes in the caches' dtype", decode_variant(f32=False),
+          "would not compile for a GPU"),
     Wrong("paged_decode_kernel", "one key too many (pos <= context_len)", decode_variant(one_more=1),
           "one key past the context"),
     Wrong("paged_decode_kernel", "KV-head offset not multiplied by HEAD_DIM", decode_variant(head_elements=True),
@@ -347,7 +351,8 @@ WRONG = [
     Wrong("paged_prefill_kernel", "GQA ignored: KV head = query head", prefill_variant(gqa="same"),
           "right when every query head has its own KV head"),
     Wrong("paged_prefill_kernel", "forgot the scale", prefill_variant(scaled=False), "not scaled"),
-    Wrong("paged_prefill_kernel", "computes in the caches' dtype", prefill_variant(f32=False), "wrong in bf16"),
+    Wrong("paged_prefill_kernel", "computes in the caches' dtype", prefill_variant(f32=False),
+          "would not compile for a GPU"),
     Wrong("paged_prefill_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
     Wrong("paged_prefill_kernel", "returns labkit's kernel", labkit_kernel(1), "`jit_kernels`",
           calls="labkit.attention.triton_kernels.jit_kernels"),

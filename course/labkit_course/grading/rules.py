@@ -48,6 +48,7 @@ DUNDERS = {"__code__", "__globals__", "__closure__", "__wrapped__", "__builtins_
 FRAMES = {"f_back", "f_locals", "f_globals", "f_builtins", "f_code", "tb_frame", "tb_next", "gi_frame", "cr_frame",
           "ag_frame", "gi_code", "co_code", "co_consts"}
 DYNAMIC_ATTRIBUTE = {"getattr"}  # setattr only writes: what it could write is reached by other means
+NAMESPACE_READERS = {"getattr", "vars"}  # passed around (reduce(getattr, ...)), they reach by computed names
 SYS_ATTRIBUTES = {"modules", "meta_path", "path_hooks", "path_importer_cache", "_getframe", "settrace",
                   "setprofile", "addaudithook", "path"}
 PROCESS_MEMBERS = {"create_subprocess_exec", "create_subprocess_shell", "subprocess_exec", "subprocess_shell",
@@ -131,6 +132,7 @@ def cell_violations(source: str, aliases: dict[str, set[str]] | None = None) -> 
     if aliases is None:
         aliases = notebook_aliases(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)]))
     found: list[str] = []
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     todo: list[ast.AST] = [tree]
     while todo:
         node = todo.pop()
@@ -138,6 +140,8 @@ def cell_violations(source: str, aliases: dict[str, set[str]] | None = None) -> 
         if magic is not None:
             found += _magic_violations(*magic, aliases)
             continue
+        if isinstance(node, ast.Name) and node.id in NAMESPACE_READERS and id(node) not in called:
+            found.append(f"passes `{node.id}` around as a value, which hides what it reaches")
         found += _node_violations(node, aliases)
         todo += ast.iter_child_nodes(node)
     return found
@@ -210,6 +214,10 @@ def _node_violations(node: ast.AST, aliases: dict[str, set[str]]) -> list[str]:
         return _name_violations(node.id, aliases)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super" and node.args:
         return ["uses `super(...)` with arguments, which reaches a base class's methods past the course's guards"]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars" and node.args:
+        modules = _bases(node.args[0], aliases)
+        if modules:  # a module's namespace: what it holds, by computed names (vars(labkit_course)["grad" + "ing"])
+            return [f"uses `vars` on the module `{sorted(modules)[0]}`, which reaches what it holds by computed names"]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_ATTRIBUTE:
         name = node.args[1] if len(node.args) > 1 else None
         if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):

@@ -293,12 +293,20 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun, skip
 
 def _install_guards(client: _CellClient, lab: str, limits: sandbox.Limits) -> None:
     """Before the notebook's first cell, the lab's forbidden functions become guards in the kernel
-    (labkit_course.grading.forbidden.install_guards), so that nothing the notebook keeps is labkit's own."""
+    (labkit_course.grading.forbidden.install_guards), so that nothing the notebook keeps is labkit's own,
+    and triton.language is kept as imported, for compiling the student's kernels (kernels.remember_triton)."""
     paths = sorted({path for ex in exercises(lab) for path in ex.forbidden})
     kc = _blocking_client(client, limits)
     try:
         msg_id = kc.execute(f"import labkit_course.grading.forbidden as _guards\n"
-                            f"_guards.install_guards({paths!r})\ndel _guards", silent=True, store_history=False)
+                            f"_guards.install_guards({paths!r})\ndel _guards\n"
+                            "import importlib.util as _util, os as _os, torch as _torch\n"
+                            "if _util.find_spec('triton'):  # as the labs' first cells: interpreted on a CPU\n"
+                            "    if not _torch.cuda.is_available():\n"
+                            "        _os.environ.setdefault('TRITON_INTERPRET', '1')\n"
+                            "    import labkit_course.grading.kernels as _kernels\n"
+                            "    _kernels.remember_triton()\n    del _kernels\n"
+                            "del _util, _os, _torch", silent=True, store_history=False)
         reply = kc.get_shell_msg(timeout=limits.cell_s)
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = kc.get_shell_msg(timeout=limits.cell_s)

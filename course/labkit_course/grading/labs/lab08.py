@@ -15,9 +15,9 @@ from labkit.attention.reference import random_paged_inputs
 from labkit.cache.paged_storage import store_kv
 from labkit.device import pick_device
 from labkit_course.grading import ExerciseFailed, exercise, raised_type, require
-from labkit_course.grading.agent import check_triton_kernel
 from labkit_course.grading.codec import Handle
 from labkit_course.grading.core import seeded_generator
+from labkit_course.grading.kernels import NotTriton, check_triton_kernel
 
 # |got - want| <= atol + rtol * |want| against fp32 arithmetic on the same (rounded) inputs: what rounding the
 # output to its dtype costs (the same bounds labkit's kernel meets, section 6 of the lab)
@@ -57,7 +57,11 @@ def _launch(kernel, factory: str, case: str, grid: tuple, *args, read_only: dict
     grader's reference agree with its output."""
     before = {name: tensor.clone() for name, tensor in read_only.items()}
     try:
+        if not isinstance(kernel, Handle):  # graded, the student's kernel checks it before the launch
+            check_triton_kernel(kernel, args, constexprs)
         kernel[grid](*args, **constexprs)
+    except NotTriton as error:
+        raise ExerciseFailed(_launch_failure(factory, case, "NotTriton", str(error))) from None
     except (ExerciseFailed, NotImplementedError):
         raise
     except Exception as error:  # noqa: BLE001 - whatever the student's kernel raised
@@ -81,6 +85,8 @@ def _launch_failure(factory: str, case: str, type_name: str, message: str) -> st
         return (f"on {case}: tl.exp and Triton's other math functions take fp32, and the caches here are not: "
                 "convert what you load with .to(tl.float32), compute in fp32, and store (the store converts "
                 "back to the output's dtype)")
+    if type_name == "NotTriton":  # not Triton a GPU could compile: the message says why
+        return message
     if type_name == "TypeError" and ("argument" in message or "positional" in message):
         return (f"the grader could not launch your kernel ({message.splitlines()[0][:200]}): keep the signature "
                 f"the exercise gives for `{factory}`, parameter names and constexprs included")
