@@ -4,7 +4,8 @@ On a GPU Triton compiles a kernel, so a kernel can only be Triton: `tl` operatio
 functions. Under Triton's CPU interpreter (TRITON_INTERPRET=1) a kernel is plain Python, which can call
 anything: torch, labkit's reference, numpy over raw memory. So before an interpreted launch the kernel must
 also get through Triton's own compiler front end (to Triton IR for a GPU) with the launch's arguments, which
-refuses all of that as a GPU would. What the front end does not see is refused beside it: what the kernels
+refuses all of that as a GPU would (graded; a notebook's own check cell has not kept triton.language as
+imported, `remember_triton`, and skips it). What the front end does not see is refused beside it: what the kernels
 name that Triton would run as Python while compiling (a `constexpr_function` or a "builtin" of the student's,
 a constexpr holding an object of its own), functions of Triton, numpy or torch's tensors that the notebook
 replaced (the interpreter hands them the grader's tensors), and labkit's own kernels in any form, also as
@@ -56,8 +57,11 @@ def check_triton_kernel(kernel, args=None, kwargs=None) -> list:
     if args is not None and _interpreted(kernel):
         for jit in reached:
             _check_what_it_names(jit)
-        _check_arguments(kernel, args, kwargs or {})
-        _compile_front_end(kernel, args, kwargs or {})
+        bound = inspect.signature(kernel.fn).bind(*args, **kwargs or {})
+        bound.apply_defaults()
+        _check_arguments(kernel, bound.arguments)
+        if _PRISTINE:  # graded (and in the tests); a notebook's own check cell has not kept triton as imported
+            _compile_front_end(kernel, bound.arguments)
     replaced = _machinery_replaced()  # last: compiling may have run code of the student's
     if replaced:
         raise TypeError(f"`{replaced}` is not the function its package defines: the notebook replaced it, and a "
@@ -288,24 +292,22 @@ def _triton_own(value) -> bool:
     return home is not None and vars(home).get(name) is value and not _foreign(value)
 
 
-def _check_arguments(kernel, args, kwargs) -> None:
+def _check_arguments(kernel, arguments: dict) -> None:
     """The launch's arguments, defaults included, are the grader's tensors and plain values: an object of the
     notebook's (a default) would run its own methods while Triton compiles or launches the kernel."""
     import torch
     import triton.language as tl
 
-    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    for name, value in bound.arguments.items():
+    for name, value in arguments.items():
         if not (type(value) is torch.Tensor or _plain(value) or type(value) in (tl.constexpr, tl.dtype)):
             raise NotTriton(f"`{name}` of `{kernel.fn.__name__}` is a {type(value).__name__}: a graded kernel's "
                             "parameters take tensors and numbers, its defaults numbers, strings or booleans")
 
 
-def _compile_front_end(kernel, args, kwargs) -> None:
-    """Compile the kernel to Triton IR for a GPU, as `kernel[grid](*args, **kwargs)` on one would: a kernel
-    that calls plain Python (torch, numpy, a function of the notebook's) or reads the interpreter's internals
-    does not compile. Each of its kernels is compiled as the function it is, its helpers as kernels."""
+def _compile_front_end(kernel, arguments: dict) -> None:
+    """Compile the kernel to Triton IR for a GPU, as launching it there with `arguments` would: a kernel that
+    calls plain Python (torch, numpy, a function of the notebook's) or reads the interpreter's internals does
+    not compile. Each of its kernels is compiled as the function it is, its helpers as kernels."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -313,11 +315,9 @@ def _compile_front_end(kernel, args, kwargs) -> None:
     from triton.runtime.jit import mangle_type
 
     jit = _for_compiler(kernel, {})
-    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
-    bound.apply_defaults()
     signature, constants = {}, {}
     for parameter in jit.params:
-        value = bound.arguments[parameter.name]
+        value = arguments[parameter.name]
         if parameter.is_constexpr or value is None:
             signature[parameter.name], constants[parameter.name] = "constexpr", value
         else:
@@ -413,8 +413,6 @@ def _triton_compiles():
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not _PRISTINE:
-        raise RuntimeError("remember_triton() must run before any kernel does: the grader cannot compile kernels")
     with _pristine_triton():
         swapped = []
         for name, module in list(sys.modules.items()):
