@@ -177,7 +177,8 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
 
     names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit", "disguised", "held_by_a_class",
              "reached_at_run_time", "raw_function", "rewritten_function", "python_inside", "compile_time_python",
-             "hooked", "launcher_replaced", "init_args_replaced")  # the last two patch triton: they stay last
+             "prints", "hooked", "launcher_replaced", "init_args_replaced", "after_grid_descriptor",
+             "device_print_replaced")  # from launcher_replaced on, they patch triton: they stay last
     for name in names:
         lab99(name, forbidden=("labkit.attention.triton_kernels.jit_kernels",))(launches(name))
     student = write_notebook(
@@ -230,10 +231,14 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "    offs = tl.program_id(0) * BLOCK + tl.arange(0, width(BLOCK))\n"
         "    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)\n"
         "def compile_time_python():\n    return compile_time",
+        "@triton.jit\ndef printing(src, dst, n, BLOCK: tl.constexpr):\n    tl.static_print('row', src, dst, n)\n"
+        "def prints():  # the interpreter's print is Python's, whose sys.stdout the notebook may have replaced\n"
+        "    return printing",
         # the second red team's: an empty kernel whose pre-run hook, or a replaced launcher, copies with torch
         "@triton.jit\ndef empty(src, dst, n, BLOCK: tl.constexpr):\n    pass\n"
         "def hooked():\n    empty.add_pre_run_hook(lambda src, dst, n, BLOCK=None: dst.copy_(src))\n    return empty",
         "from triton.runtime.interpreter import GridExecutor\nORIGINAL_RUN = InterpretedFunction.run\n"
+        "keep_init, keep_restore = GridExecutor._init_args_hst, GridExecutor._restore_args_dev\n"
         "def launcher_replaced():\n"
         "    InterpretedFunction.run = lambda self, src, dst, n, grid, warmup, **kw: dst.copy_(src)\n"
         "    return copy_kernel",
@@ -242,7 +247,18 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "    InterpretedFunction.run = ORIGINAL_RUN\n    keep = GridExecutor._init_args_hst\n"
         "    def copying(self, args, kwargs):\n        args[1].copy_(args[0])\n"
         "        return keep(self, args, kwargs)\n"
-        "    GridExecutor._init_args_hst = copying\n    return nothing")
+        "    GridExecutor._init_args_hst = copying\n    return nothing",
+        # the fifth red team's: a step of the launch replaced by an object that is not a function (a descriptor),
+        # and a member of triton.language the compiler sees as imported but the interpreter would run
+        "import functools\n"
+        "class AfterGrid:\n    def __get__(self, executor, owner=None):\n"
+        "        return functools.partial(lambda executor, dev, hst, kw, kw_hst: dev[1].copy_(dev[0]), executor)\n"
+        "def after_grid_descriptor():\n    GridExecutor._init_args_hst = keep_init\n"
+        "    GridExecutor._restore_args_dev = AfterGrid()\n    return nothing",
+        "class Printer:\n    __call__ = staticmethod(lambda prefix, src, dst, n: None)\n"
+        "@triton.jit\ndef quiet(src, dst, n, BLOCK: tl.constexpr):\n    tl.device_print('row', src)\n"
+        "def device_print_replaced():\n    GridExecutor._restore_args_dev = keep_restore\n"
+        "    tl.device_print = Printer()\n    return quiet")
     run = grade_contained(read_notebook(student), "99", sandbox.Limits(cell_s=60), HOW)
     got = {o.name: o for o in run.outcomes}
     assert got["copy"].passed, got["copy"].message
@@ -259,13 +275,32 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         assert f"your kernel `{kernel}` uses `{used}`, a {kind} that is not Triton's, which Triton would run as " \
             "Python" in got[name].message, got[name].message
     assert "the kernel has pre-run hooks" in got["hooked"].message
+    assert "your kernel `printing` prints" in got["prints"].message
+    assert "your kernel `quiet` prints" in got["device_print_replaced"].message
     for name, replaced in (("launcher_replaced", "InterpretedFunction.run"),
-                           ("init_args_replaced", "GridExecutor._init_args_hst")):
+                           ("init_args_replaced", "GridExecutor._init_args_hst"),
+                           ("after_grid_descriptor", "GridExecutor._restore_args_dev")):
         assert f"`triton.runtime.interpreter.{replaced}` is not the function its package defines" \
             in got[name].message, got[name].message
 
 
 # --- in-process: tripwires, static checks and the codec ------------------------------------------------
+
+def test_a_kernel_compiles_and_launches_on_triton_as_imported(monkeypatch):
+    """What a notebook puts into Triton's modules or classes (here tl.device_print and a step of the launch) is
+    not what the compiler checked, so it is not there while a graded kernel compiles or runs; it is afterwards."""
+    import triton.language as tl
+    from triton.runtime.interpreter import GridExecutor
+
+    from labkit_course.grading.kernels import pristine_triton
+
+    imported = tl.device_print, GridExecutor._restore_args_dev
+    monkeypatch.setattr(tl, "device_print", object())
+    monkeypatch.setattr(GridExecutor, "_restore_args_dev", object())
+    with pristine_triton():
+        assert (tl.device_print, GridExecutor._restore_args_dev) == imported
+    assert tl.device_print is not imported[0] and GridExecutor._restore_args_dev is not imported[1]
+
 
 def test_while_a_kernel_launches_labkits_kernels_refuse_to_run_in_any_form():
     """Behind the checks before a launch, labkit's kernels refuse while the student's runs: launched, called,

@@ -11,7 +11,7 @@ tamper with: a forged reply is only a forged *answer*, which the trusted side st
 from labkit_course.grading.codec import CodecError, Decoder, Encoder, dumps, identity, loads
 from labkit_course.grading.core import where_raised
 from labkit_course.grading.forbidden import Tripwires
-from labkit_course.grading.kernels import check_triton_kernel, labkit_kernels_refused
+from labkit_course.grading.kernels import check_triton_kernel, labkit_kernels_refused, pristine_triton
 
 
 class Agent:
@@ -103,7 +103,7 @@ def _launch(kernel, grid, args, kwargs, wires: Tripwires) -> None:
     if not (type(grid) is list and 1 <= len(grid) <= 3 and all(type(n) is int and 0 < n <= 2**16 for n in grid)):
         raise CodecError(f"a launch grid is 1 to 3 positive ints, not {grid!r}")
     reached = check_triton_kernel(kernel, args, kwargs)
-    with labkit_kernels_refused(kernel, reached, wires):
+    with pristine_triton(), labkit_kernels_refused(kernel, reached, wires):
         kernel[tuple(grid)](*args, **kwargs)
 
 

@@ -15,6 +15,7 @@ Like the tripwires (`labkit_course.grading.forbidden`), this runs in the student
 what the course rules (`labkit_course.grading.rules`) let a notebook do, not against code that reaches in here.
 """
 
+import ast
 import dis
 import functools
 import inspect
@@ -22,6 +23,7 @@ import os
 import site
 import sys
 import sysconfig
+import textwrap
 import types
 from contextlib import contextmanager
 
@@ -33,6 +35,8 @@ GPU_TARGET = ("cuda", 80, 32)  # the front end compiles for an A100: Triton IR d
 PLAIN = (int, float, bool, str, type(None))  # what a constexpr may hold: nothing of the student's runs on it
 MACHINERY = ("triton", "numpy")  # the packages whose functions an interpreted launch runs
 TENSOR_CLASSES = ("Tensor", "UntypedStorage", "TypedStorage")  # torch's classes it calls methods of
+PRINTS = ("print", "static_print", "device_print")  # what a graded kernel may not call (see _check_what_it_names)
+CODE_HOLDERS = (types.FunctionType, staticmethod, classmethod, property, functools.partial)
 
 
 class NotTriton(ExerciseFailed):
@@ -253,15 +257,21 @@ def _check_what_it_names(jit) -> None:
 
     fn = jit.fn
     scope = _scope(fn)
+    printing = [node for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+                if isinstance(node, ast.Name) and node.id in PRINTS or isinstance(node, ast.Attribute)
+                and node.attr in PRINTS]
     for name in sorted(_looked_up(fn.__code__) & scope.keys()):
         value = scope[name]
-        if type(value) in (*_kernel_types(), *PLAIN, tl.dtype, tl.pointer_type) or _triton_own(value):
-            continue
-        if type(value) is tl.constexpr and _plain(value.value):
-            continue
-        raise NotTriton(f"your kernel `{fn.__name__}` uses `{name}`, a {type(value).__name__} that is not Triton's, "
-                        "which Triton would run as Python: a graded kernel uses only triton.language, other "
-                        "@triton.jit functions and constexprs of numbers, strings or booleans")
+        if value is print or _triton_own(value) and getattr(value, "__name__", None) in PRINTS:
+            printing.append(name)
+        elif not (type(value) in (*_kernel_types(), *PLAIN, tl.dtype, tl.pointer_type) or _triton_own(value)
+                  or type(value) is tl.constexpr and _plain(value.value)):
+            raise NotTriton(f"your kernel `{fn.__name__}` uses `{name}`, a {type(value).__name__} that is not "
+                            "Triton's, which Triton would run as Python: a graded kernel uses only triton.language, "
+                            "other @triton.jit functions and constexprs of numbers, strings or booleans")
+    if printing:  # under the interpreter a print is Python's, whose output and formatting the notebook controls
+        raise NotTriton(f"your kernel `{fn.__name__}` prints (print, tl.static_print or tl.device_print): remove the "
+                        "prints from a kernel you hand in")
     for parameter in inspect.signature(fn).parameters.values():
         annotation = parameter.annotation
         if not (annotation is inspect.Parameter.empty or annotation is tl.constexpr or type(annotation) is str
@@ -360,27 +370,30 @@ def _for_compiler(kernel, made: dict):
     return made[id(fn)]
 
 
-_PRISTINE: list[tuple[object, dict]] = []  # triton.language's modules and classes as imported, before any launch
+_PRISTINE: list[tuple[object, dict]] = []  # triton's modules and classes as imported, before any launch
 
 
 def remember_triton() -> None:
-    """Keep triton.language's modules and classes as they are before any kernel runs (graded, before the
-    notebook's first cell): the interpreter patches them for each launch and, after a device function call,
-    leaves some patched, which Triton's compiler then trips over."""
-    import triton.language  # noqa: F401 - its submodules are what is kept
+    """Keep Triton's modules and classes as they are before any kernel runs (graded, before the notebook's
+    first cell), for compiling and launching the student's kernels on them (`pristine_triton`)."""
+    import triton.language  # noqa: F401 - its modules are what is kept
+    import triton.runtime.interpreter  # noqa: F401
 
     if _PRISTINE:
         return
     for name, module in list(sys.modules.items()):
-        if module is not None and name.partition(".")[0] == "triton" and ".language" in name:
+        if module is not None and name.partition(".")[0] == "triton":
             _PRISTINE.append((module, dict(vars(module))))
             _PRISTINE.extend((value, dict(vars(value))) for value in vars(module).values()
                              if type(value) is type and value.__module__ == name)
 
 
 @contextmanager
-def _pristine_triton():
-    """triton.language as `remember_triton` kept it, for as long as Triton compiles."""
+def pristine_triton():
+    """Triton as `remember_triton` kept it, while Triton compiles or a graded kernel launches: the interpreter
+    patches triton.language for each launch and, after a device function call, leaves some of it patched, which
+    the compiler trips over; and whatever the notebook put in Triton's modules or classes (`tl.device_print`, a
+    step of the launch) would run in the launch the compiler did not see. (Nothing without `remember_triton`.)"""
     changed = []
     for owner, kept in _PRISTINE:
         now = vars(owner)
@@ -407,13 +420,13 @@ def _set(owner, key: str, value) -> None:
 
 @contextmanager
 def _triton_compiles():
-    """Triton's compiler on triton.language as imported (`_pristine_triton`), where its own `@jit` functions
+    """Triton's compiler on Triton as imported (`pristine_triton`), where its own `@jit` functions
     (tl.max, tl.sum, ...), InterpretedFunctions under the interpreter, which the compiler does not take, are
     JITFunctions again, in Triton's modules and as methods of tl.tensor (`x.sum(0)`)."""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    with _pristine_triton():
+    with pristine_triton():
         swapped = []
         for name, module in list(sys.modules.items()):
             if module is not None and name.partition(".")[0] == "triton":
@@ -472,6 +485,7 @@ def _machinery_replaced() -> str | None:
         if module is not None and name.partition(".")[0] in MACHINERY:
             namespaces.append((name, vars(module)))
     seen: set[int] = set()
+    classes: dict = {}
     for where, namespace in namespaces:
         for key, value in list(namespace.items()):
             if id(value) in seen:
@@ -479,7 +493,7 @@ def _machinery_replaced() -> str | None:
             seen.add(id(value))
             inner = () if type(value) in (types.ModuleType, types.FunctionType) else _attributes(value)
             for path, member in ((f"{where}.{key}", value), *((f"{where}.{key}.{k}", v) for k, v in inner)):
-                if _foreign(member):
+                if _foreign(member, classes):
                     return path
     return None
 
@@ -493,24 +507,28 @@ def _attributes(value) -> list:
     return list(own.items()) if type(own) in (dict, types.MappingProxyType) else []
 
 
-def _foreign(value) -> bool:
-    """Whether `value` runs Python code that no installed package defines (the notebook's), when it is called
-    or looked up: a function, a method, a static or class method, a property, a partial, or an object whose
-    class's `__call__` is such a function."""
+def _foreign(value, classes: dict | None = None) -> bool:
+    """Whether `value` may run Python code that no installed package defines (the notebook's) when it is called
+    or looked up: a function; a method, static or class method, property or partial (what it wraps); an object
+    whose class or one of its bases holds such a member (`__call__`, `__get__`, ...), or whose `fn` (a kernel's
+    or a constexpr function's Python) is one. `classes` remembers the classes already looked at."""
+    classes = {} if classes is None else classes
     kind = type(value)
     if kind in (staticmethod, classmethod, types.MethodType):
-        return _foreign(value.__func__)
+        return _foreign(value.__func__, classes)
     if kind is property:
-        return any(_foreign(f) for f in (value.fget, value.fset, value.fdel) if f is not None)
+        return any(_foreign(f, classes) for f in (value.fget, value.fset, value.fdel) if f is not None)
     if kind is functools.partial:
-        return _foreign(value.func)
+        return _foreign(value.func, classes)
     if kind is types.FunctionType:
         return not _installed(value.__code__.co_filename)
-    if kind in (type, types.ModuleType) or not callable(value):
+    if kind in (type, types.ModuleType):  # a class's members are looked at where it is held (_attributes)
         return False
-    call = inspect.getattr_static(kind, "__call__", None)
-    inner = inspect.getattr_static(value, "fn", None)  # a kernel's or a constexpr function's Python
-    return any(type(f) is types.FunctionType and not _installed(f.__code__.co_filename) for f in (call, inner))
+    if id(kind) not in classes:
+        classes[id(kind)] = any(type(member) in CODE_HOLDERS and _foreign(member, classes)
+                                for base in kind.__mro__[:-1] for member in list(vars(base).values()))
+    inner = inspect.getattr_static(value, "fn", None)
+    return classes[id(kind)] or type(inner) is types.FunctionType and not _installed(inner.__code__.co_filename)
 
 
 def _installed(filename: str) -> bool:
