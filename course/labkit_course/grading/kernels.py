@@ -475,15 +475,18 @@ def _compiled_or_same(cell, made: dict):
 # --- the machinery a launch runs -----------------------------------------------------------------------------
 
 def _machinery_replaced() -> str | None:
-    """The first function a launch may run that is not its package's: in Triton's and numpy's modules, their
-    classes and the objects they hold, and torch's tensor and storage classes (the interpreter calls their
-    methods on the grader's tensors before the grid: a notebook's function there is handed them)."""
+    """The first function a launch may run that is not its package's: in Triton's and numpy's modules and the
+    standard modules Triton's use (inspect, math, ...), their classes and the objects they hold, and torch's
+    tensor and storage classes (the interpreter calls their methods on the grader's tensors before the grid: a
+    notebook's function there is handed them)."""
     import torch
 
     namespaces = [(f"torch.{name}", vars(getattr(torch, name))) for name in TENSOR_CLASSES]
-    for name, module in list(sys.modules.items()):
-        if module is not None and name.partition(".")[0] in MACHINERY:
-            namespaces.append((name, vars(module)))
+    modules = {name: module for name, module in list(sys.modules.items())
+               if module is not None and name.partition(".")[0] in MACHINERY}
+    used = {value.__name__: value for module in modules.values() if module.__name__.startswith("triton")
+            for value in list(vars(module).values()) if type(value) is types.ModuleType}
+    namespaces += [(name, vars(module)) for name, module in {**modules, **used}.items()]
     seen: set[int] = set()
     classes: dict = {}
     for where, namespace in namespaces:
@@ -491,20 +494,22 @@ def _machinery_replaced() -> str | None:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            inner = () if type(value) in (types.ModuleType, types.FunctionType) else _attributes(value)
-            for path, member in ((f"{where}.{key}", value), *((f"{where}.{key}.{k}", v) for k, v in inner)):
-                if _foreign(member, classes):
-                    return path
+            if _foreign(value, classes):
+                return f"{where}.{key}"
+            inner = {} if type(value) in (types.ModuleType, types.FunctionType) else _attributes(value)
+            found = next((k for k, v in inner.items() if _foreign(v, classes)), None)
+            if found is not None:
+                return f"{where}.{key}.{found}"
     return None
 
 
-def _attributes(value) -> list:
-    """A class's or an object's own attributes, read without running anything of theirs."""
+def _attributes(value) -> dict:
+    """A class's or an object's own attributes (its class holding only installed code: `_foreign`)."""
     try:
         own = object.__getattribute__(value, "__dict__")
     except AttributeError:
-        return []
-    return list(own.items()) if type(own) in (dict, types.MappingProxyType) else []
+        return {}
+    return dict(own) if type(own) in (dict, types.MappingProxyType) else {}
 
 
 def _foreign(value, classes: dict | None = None) -> bool:
@@ -527,8 +532,10 @@ def _foreign(value, classes: dict | None = None) -> bool:
     if id(kind) not in classes:
         classes[id(kind)] = any(type(member) in CODE_HOLDERS and _foreign(member, classes)
                                 for base in kind.__mro__[:-1] for member in list(vars(base).values()))
-    inner = inspect.getattr_static(value, "fn", None)
-    return classes[id(kind)] or type(inner) is types.FunctionType and not _installed(inner.__code__.co_filename)
+    if classes[id(kind)]:
+        return True
+    inner = _attributes(value).get("fn")
+    return type(inner) is types.FunctionType and not _installed(inner.__code__.co_filename)
 
 
 def _installed(filename: str) -> bool:
