@@ -751,6 +751,9 @@ def test_names_with_newlines_and_escape_sequences_stay_on_their_row():
     ("import functools, labkit_course\nfunctools.reduce(getattr, ['grading', 'forbidden'], labkit_course)",
      "getattr"),
     ("reach = vars\nreach(obj)['x']", "vars"),
+    ("import labkit_course\n_lc = labkit_course\n_lc.grading.kernels.check_triton_kernel = None", "grading"),
+    ("import sys\ns = sys\ns.modules['x'] = None", "sys.modules"),
+    ("import triton.runtime.interpreter\ni = triton.runtime.interpreter\ni.inspect.getcallargs = None", "inspect"),
     ("import numpy as np\na = np.asarray(type('M', (), {'__array_interface__': {}})())", "__array_interface__"),
 ])
 def test_the_rules_name_each_way_around_the_tripwires(source, named):

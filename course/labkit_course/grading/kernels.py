@@ -141,14 +141,18 @@ def labkit_kernels_refused(kernel, reached: list, wires: Tripwires):
     free = {name for fn in functions for name in fn.__code__.co_freevars}
     module = functions[0].__globals__
     module_saved = {name: module[name] for name in free if name in module}
+    standing = _Refused(refused)
     for k in kernels:
         k.__class__ = RefusedKernel
     for cell in cells:
-        cell.cell_contents = _Refused(refused)
-    module.update(dict.fromkeys(free, _Refused(refused)))
+        cell.cell_contents = standing
+    module.update(dict.fromkeys(free, standing))
     try:
         yield
     finally:
+        if any(module.get(name) is not standing for name in free) or any(
+                cell.cell_contents is not standing for cell in cells):  # Python in the launch put one back
+            wires.tripped.append(OWN_KERNELS)
         for k in kernels:
             k.__class__ = InterpretedFunction
         for cell, value in zip(cells, contents, strict=True):

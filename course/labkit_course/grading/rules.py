@@ -118,6 +118,15 @@ def notebook_aliases(nb: nbformat.NotebookNode) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for alias in node.names:
                     aliases.setdefault(alias.asname or alias.name, set()).add(f"{node.module}.{alias.name}")
+    for cell in nb.cells:  # `lc = labkit_course`, `interp = triton.runtime.interpreter`: a module kept in a name
+        tree = _parse(cell.source) if cell.cell_type == "code" and len(cell.source) <= CELL_LIMIT else None
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, ast.Assign | ast.AnnAssign | ast.NamedExpr) and node.value is not None:
+                modules = _bases(node.value, aliases) if isinstance(node.value, ast.Name | ast.Attribute) else set()
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if modules and isinstance(target, ast.Name):
+                        aliases.setdefault(target.id, set()).update(modules)
     return aliases
 
 
