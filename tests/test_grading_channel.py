@@ -177,7 +177,7 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
 
     names = ("copy", "not_a_kernel", "torch_behind_kernel_interface", "calls_labkit", "disguised", "held_by_a_class",
              "reached_at_run_time", "raw_function", "rewritten_function", "python_inside", "compile_time_python",
-             "prints", "hooked", "launcher_replaced", "init_args_replaced", "after_grid_descriptor",
+             "prints", "two_defs", "hooked", "launcher_replaced", "init_args_replaced", "after_grid_descriptor",
              "device_print_replaced")  # from launcher_replaced on, they patch triton: they stay last
     for name in names:
         lab99(name, forbidden=("labkit.attention.triton_kernels.jit_kernels",))(launches(name))
@@ -234,6 +234,11 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
         "@triton.jit\ndef printing(src, dst, n, BLOCK: tl.constexpr):\n    tl.static_print('row', src, dst, n)\n"
         "def prints():  # the interpreter's print is Python's, whose sys.stdout the notebook may have replaced\n"
         "    return printing",
+        "@triton.jit\ndef twice(src, dst, n, BLOCK: tl.constexpr):\n"
+        "    tl.static_assert(BLOCK > 0, 'x'\n        'y')  # a string could hold a line starting with def\n"
+        "    if BLOCK < 0:\n        def twice(src, dst, n, BLOCK):\n            pass\n"
+        "def two_defs():  # the interpreter runs the function from the last line starting with def\n"
+        "    return twice",
         # the second red team's: an empty kernel whose pre-run hook, or a replaced launcher, copies with torch
         "@triton.jit\ndef empty(src, dst, n, BLOCK: tl.constexpr):\n    pass\n"
         "def hooked():\n    empty.add_pre_run_hook(lambda src, dst, n, BLOCK=None: dst.copy_(src))\n    return empty",
@@ -276,6 +281,7 @@ def test_a_grader_launches_the_students_triton_kernel_in_the_students_kernel(tmp
             "Python" in got[name].message, got[name].message
     assert "the kernel has pre-run hooks" in got["hooked"].message
     assert "your kernel `printing` prints" in got["prints"].message
+    assert "the source of your kernel `twice` has more than one line starting with `def`" in got["two_defs"].message
     assert "your kernel `quiet` prints" in got["device_print_replaced"].message
     for name, replaced in (("launcher_replaced", "InterpretedFunction.run"),
                            ("init_args_replaced", "GridExecutor._init_args_hst"),

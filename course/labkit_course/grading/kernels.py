@@ -261,7 +261,12 @@ def _check_what_it_names(jit) -> None:
 
     fn = jit.fn
     scope = _scope(fn)
-    printing = [node for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+    lines = inspect.getsourcelines(fn)[0]
+    if sum(line.strip().startswith("def ") for line in lines) != 1:  # what the interpreter runs: see the message
+        raise NotTriton(f"the source of your kernel `{fn.__name__}` has more than one line starting with `def` (a "
+                        "nested function, or a string): Triton's interpreter runs the function from the last such "
+                        "line and its compiler the first, so a graded kernel has just one")
+    printing = [node for node in ast.walk(ast.parse(textwrap.dedent("".join(lines))))
                 if isinstance(node, ast.Name) and node.id in PRINTS or isinstance(node, ast.Attribute)
                 and node.attr in PRINTS]
     for name in sorted(_looked_up(fn.__code__) & scope.keys()):
