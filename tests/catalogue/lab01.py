@@ -308,6 +308,33 @@ def merge_either_order(ids, pair, new_id):
     return merge_while(merge_while(ids, pair, new_id), pair[::-1], new_id)
 
 
+def merge_by_string_replacement(ids, pair, new_id):
+    """Replaces the pair's text in the comma-joined ids: a digit can be cut off a neighbouring id."""
+    text = ",".join(map(str, ids)).replace(f"{pair[0]},{pair[1]}", str(new_id))
+    return [int(x) for x in text.split(",")] if text else []
+
+
+def train_skipping_pairs_seen_once(text, num_merges):
+    """Stops when the best pair occurs only once, which labkit's train still merges."""
+    pieces = Counter(tuple(piece.encode("utf-8")) for piece in pretokenize(text))
+    merges = {}
+    for step in range(num_merges):
+        counts = pair_counts_dict(pieces)
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        if counts[pair] < 2:
+            break
+        merges[pair] = 256 + step
+        pieces = Counter({tuple(merge_while(list(ids), pair, 256 + step)): n for ids, n in pieces.items()})
+    return merges
+
+
+def train_on_whitespace_split(text, num_merges):
+    """text.split() for pieces: the spaces before words are lost."""
+    return _train_pieces(Counter(tuple(piece.encode()) for piece in text.split()), num_merges)
+
+
 def train_off_by_one_ids(text, num_merges):
     return {pair: new_id + 1 for pair, new_id in train_recount(text, num_merges).items()}
 
@@ -356,12 +383,13 @@ WRONG = [
     Wrong("merge", "keeps the second id after a merge", merge_without_skipping, "skip past both ids"),
     Wrong("merge", "scans right to left", merge_right_to_left, "left to right, no overlap"),
     Wrong("merge", "merges (b, a) too", merge_either_order, "also merged the reversed pair"),
+    Wrong("merge", "replaces the pair in the ids' text", merge_by_string_replacement, "compare whole ids"),
     Wrong("merge", "returns a tuple", lambda ids, pair, new_id: tuple(merge_while(ids, pair, new_id)), "return a list"),
     Wrong("merge", "calls labkit's merge_pair", lambda ids, pair, new_id: merge_pair(ids, pair, new_id),
           "`merge_pair`", calls="labkit.tokenizer.merge_pair"),
     Wrong("train_bpe", "re-counts the raw text each step (the seed's bug)", seed_style_training, "the seed's bug"),
     Wrong("train_bpe", "counts across pretokenized pieces", train_on_raw_bytes, "counted across piece boundaries"),
-    Wrong("train_bpe", "ties go to the first pair seen", train_ties_to_first_seen, "ties going to the smaller pair"),
+    Wrong("train_bpe", "ties go to the first pair seen", train_ties_to_first_seen, "ties go to the smaller pair"),
     Wrong("train_bpe", "returns a list of pairs", lambda text, n: [(1, 2)] * n, "return a dict"),
     Wrong("train_bpe", "new ids start at 257", train_off_by_one_ids, "new ids must be 256, 257"),
     Wrong("train_bpe", "one merge too few", train_one_merge_short, "asked for 40 merges, got 39"),
@@ -370,6 +398,10 @@ WRONG = [
         text, n, pick="most_common"), "no pair is left"),
     Wrong("train_bpe", "pads to num_merges with made-up pairs", train_with_placeholder_merges,
           "should learn 5 merges and stop"),
+    Wrong("train_bpe", "stops when the best pair occurs only once", train_skipping_pairs_seen_once,
+          "a pair seen once is merged too"),
+    Wrong("train_bpe", "pieces from text.split(), not pretokenize", train_on_whitespace_split,
+          "check your pieces"),
     Wrong("train_bpe", "calls labkit's train", lambda text, n: {p: 256 + i for i, p in enumerate(
         train(text, 256 + n).merges)}, "`train`", calls="labkit.tokenizer.train"),
     Wrong("bpe_encode", "returns the raw UTF-8 bytes", lambda text, merges: list(text.encode()),

@@ -90,8 +90,12 @@ def get_pair_counts(ns):
 def merge(ns):
     fn = require(ns, "merge")
     rng = seeded_random(2)
-    cases = [([1, 2, 3, 1, 2], (1, 2), 99), ([5, 5, 5], (5, 5), 9), ([1, 2], (2, 1), 9), ([], (1, 2), 9)]
-    cases += [(_random_ids(rng, 25, 3), (rng.randrange(3), rng.randrange(3)), 256) for _ in range(5)]
+    cases = [([1, 2, 3, 1, 2], (1, 2), 99), ([5, 5, 5], (5, 5), 9), ([1, 2], (2, 1), 9), ([], (1, 2), 9),
+             ([12, 3, 1, 23], (2, 3), 99), ([104, 101, 108, 4, 101], (4, 101), 256)]  # digits of ids must not merge
+    for _ in range(5):  # three ids, multi-digit ones among them, so pairs repeat
+        alphabet = rng.sample(range(256), 3)
+        ids = [alphabet[i] for i in _random_ids(rng, 25, 3)]
+        cases.append((ids, (rng.choice(alphabet), rng.choice(alphabet)), 256))
     for ids, pair, new_id in cases:
         before = list(ids)
         got = fn(ids, pair, new_id)
@@ -112,6 +116,9 @@ def merge(ns):
                                  f"{pair[::-1]}: only (a, b) in that order")
         if len(got) == len(expected) - 1 and got == expected[:-1]:
             raise ExerciseFailed(f"the last id was dropped: merge({before}, {pair}, {new_id}) should be {expected}")
+        if invented := sorted(set(got) - set(before) - {new_id}):
+            raise ExerciseFailed(f"merge({before}, {pair}, {new_id}) should be {expected}, got {got}: ids {invented} "
+                                 "are neither in the list nor new_id; compare whole ids, not their digits in a string")
         if before == [5, 5, 5]:
             raise ExerciseFailed(f"merge([5, 5, 5], (5, 5), 9) should be [9, 5] (left to right, no overlap), "
                                  f"got {got}")
@@ -200,13 +207,36 @@ def _check_training(fn, text, num_merges):
         raise ExerciseFailed("each distinct piece was counted once: a piece that occurs n times adds n to each of its "
                              "pairs, so count the pieces with a Counter and weight the pair counts by it")
     first_wrong = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
-    raise ExerciseFailed(f"merge {first_wrong} (new id {256 + first_wrong}) should be {expected[first_wrong]}, got "
-                         f"{got[first_wrong]}; the most frequent pair wins, ties going to the smaller pair")
+    wrong, right = got[first_wrong], expected[first_wrong]
+    counts = _counts_before(text, expected[:first_wrong])
+    where = f"merge {first_wrong} (new id {256 + first_wrong}) should be {right}, got {wrong}"
+    if wrong not in counts:
+        raise ExerciseFailed(f"{where}, a pair that occurs nowhere in the pieces of pretokenize(text) after the "
+                             "merges before it: check your pieces (each of pretokenize(text), spaces kept, as UTF-8 "
+                             "bytes)")
+    if counts[wrong] == counts[right]:
+        raise ExerciseFailed(f"{where}: both occur {counts[right]} times, and ties go to the smaller pair")
+    raise ExerciseFailed(f"{where}: in the pieces of pretokenize(text), {right} occurs {counts[right]} times, "
+                         f"{wrong} {counts[wrong]}; the most frequent pair wins, so check your pieces and their "
+                         "counts (each piece weighted by its frequency)")
+
+
+def _counts_before(text, merges):
+    """The weighted pair counts over pretokenize(text)'s pieces after `merges`, as labkit's training sees them."""
+    pieces = Counter(tuple(piece.encode("utf-8")) for piece in pretokenize(text))
+    for step, pair in enumerate(merges):
+        pieces = Counter({tuple(merge_pair(list(piece), pair, 256 + step)): n for piece, n in pieces.items()})
+    return _weighted_pair_counts(pieces)
 
 
 def _stops_when_pairs_run_out(fn):
-    """A short text has fewer merges to give than asked for: training must stop, not crash or invent pairs."""
-    text, asked = "hello hello hello", 20
+    """A short text has fewer merges to give than asked for: training must stop, not crash or invent pairs. In
+    'ab cd' every pair occurs once, and is still merged while it is the most frequent one."""
+    for text, asked in (("hello hello hello", 20), ("ab cd", 5)):
+        _stops_after_every_merge(fn, text, asked)
+
+
+def _stops_after_every_merge(fn, text, asked):
     expected = train(text, 256 + asked).merges
     try:
         got = fn(text, asked)
@@ -217,6 +247,10 @@ def _stops_when_pairs_run_out(fn):
                              "merges every piece is one token and no pair is left; stop early when the pair "
                              "counts are empty") from None
     got = _merges_as_list(got)
+    if len(got) < len(expected) and got == expected[:len(got)]:
+        raise ExerciseFailed(f"train_bpe({text!r}, {asked}) stopped after {len(got)} merges, with pairs left: a pair "
+                             f"seen once is merged too when it is the most frequent, so it learns {len(expected)}; "
+                             "stop only when no pair is left")
     if got != expected:
         raise ExerciseFailed(f"train_bpe({text!r}, {asked}) should learn {len(expected)} merges and stop (no pair "
                              f"is left after that), got {len(got)}")
