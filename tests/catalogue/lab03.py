@@ -317,7 +317,35 @@ def next_token_best_anywhere(layer_output, W_lm):
     return int(logits.max(0).values.argmax()), logits[-1].softmax(-1)
 
 
+def next_token_sampled(layer_output, W_lm):
+    """Samples from the probabilities instead of taking the most probable token."""
+    if len(layer_output) == 0:
+        raise ValueError("no positions")
+    probs = (layer_output[-1] @ W_lm).softmax(-1)
+    return int(torch.multinomial(probs, 1)), probs
+
+
+def next_token_from_the_first_row(layer_output, W_lm):
+    """The right probabilities, but the token from the first position's logits."""
+    if len(layer_output) == 0:
+        raise ValueError("no positions")
+    logits = layer_output @ W_lm
+    return int(logits[0].argmax()), logits[-1].softmax(-1)
+
+
+def mha_from_the_worked_example(X, W_q, W_k, W_v, W_o, n_heads):
+    n = X.shape[0]
+    q, k, v = (t.view(n, n_heads, -1).transpose(0, 1) for t in (X @ W_q, X @ W_k, X @ W_v))
+    weights = ref.causal_softmax(ref.scaled_scores(q, k))
+    return weights, (weights @ v).transpose(0, 1).reshape(n, -1) @ W_o
+
+
 WRONG += [
+    Wrong("next_token", "samples the token instead of taking the argmax", next_token_sampled, "not a sample"),
+    Wrong("next_token", "the token from the first position, the probabilities right", next_token_from_the_first_row,
+          "the first position's logits chose the token"),
+    Wrong("multi_head_attention", "the worked example's scaled_scores and causal_softmax",
+          mha_from_the_worked_example, "`scaled_scores`", calls="labkit_course.worked_example.scaled_scores"),
     Wrong("build_x", "refuses the last valid position (off by one)", build_x_refusing_the_last_row,
           "the last row, PE[7], is a valid position"),
     Wrong("build_x", "a negative start is not refused", build_x_without_start_check, "start=-1"),

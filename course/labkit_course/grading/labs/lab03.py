@@ -200,6 +200,8 @@ _MHA_CASES = ((5, 8, 2, 4, 37), (4, 6, 3, 3, 38))  # (tokens, d_model, heads, d_
 
 @exercise("03", "multi_head_attention", forbidden=("labkit_course.worked_example.forward",
                                                     "labkit_course.worked_example.attend",
+                                                    "labkit_course.worked_example.scaled_scores",
+                                                    "labkit_course.worked_example.causal_softmax",
                                                     "torch.nn.functional.scaled_dot_product_attention",
                                                     "torch.nn.functional.multi_head_attention_forward"))
 def multi_head_attention(ns):
@@ -246,12 +248,35 @@ def _leading_elsewhere(n, d, vocab, seed):
         seed += 1000
 
 
+def _nearly_flat(seed):
+    """(layer_output, W_LM, logits) whose last position spreads its probability over 64 tokens almost evenly, so a
+    sampler picks the most probable one about once in 60 draws; the middle position leads overall, not the first."""
+    layer_output, w_lm = _random(3, 4, seed=seed), _random(4, 64, seed=seed + 1)
+    layer_output[[0, 2]] *= 0.05
+    return layer_output, w_lm, layer_output @ w_lm
+
+
+def _best_anywhere(logits):
+    """The tokens an argmax over every position gives (flattened, or the best of each column)."""
+    vocab = logits.shape[1]
+    return {int(logits.argmax()), int(logits.argmax()) % vocab, int(logits.max(0).values.argmax())}
+
+
 @exercise("03", "next_token")
 def next_token(ns):
     fn = require(ns, "next_token")
-    for n, d, vocab, seed in ((3, 4, 7, 50), (1, 5, 11, 51), (6, 3, 5, 52)):
-        layer_output, w_lm, logits = _leading_elsewhere(n, d, vocab, seed)
-        got = fn(layer_output.clone(), w_lm)
+    cases = [_leading_elsewhere(n, d, vocab, seed) for n, d, vocab, seed in ((3, 4, 7, 50), (1, 5, 11, 51),
+                                                                             (6, 3, 5, 52))]
+    cases += [_nearly_flat(seed) for seed in (80, 82, 84, 86)]  # seeds no other exercise of the lab draws from
+    answers = [fn(layer_output.clone(), w_lm) for layer_output, w_lm, _ in cases]
+    for (layer_output, w_lm, _), got in zip(cases, answers, strict=True):
+        again = fn(layer_output.clone(), w_lm)
+        tokens = [answer[0] for answer in (got, again) if isinstance(answer, tuple) and len(answer) == 2]
+        if len(tokens) == 2 and all(isinstance(token, int) for token in tokens) and tokens[0] != tokens[1]:
+            raise ExerciseFailed(f"the same input gave token {tokens[0]}, then {tokens[1]}: the next token is the "
+                                 "most probable one (argmax, greedy decoding), not a sample")
+    for (_, _, logits), got in zip(cases, answers, strict=True):
+        n, vocab = logits.shape
         if not (isinstance(got, tuple) and len(got) == 2):
             raise ExerciseFailed("return a pair: (the next token's id, the last position's probabilities)")
         token, probs = got
@@ -273,12 +298,17 @@ def next_token(ns):
         _expect_float64(probs, "the probabilities")
         if not _close(probs, logits[-1].softmax(-1)):
             raise ExerciseFailed("the probabilities differ from softmax(layer_output[-1] @ W_LM)")
-        overall = {int(logits.argmax()), int(logits.argmax()) % vocab, int(logits.max(0).values.argmax())}
-        if token in overall and token != int(logits[-1].argmax()):
+    several = [(got[0], logits) for (_, _, logits), got in zip(cases, answers, strict=True) if len(logits) > 1]
+    token, logits = next(((got[0], logits) for (_, _, logits), got in zip(cases, answers, strict=True)
+                          if got[0] != int(logits[-1].argmax())), (None, None))
+    if token is not None:
+        if all(picked == int(each[0].argmax()) for picked, each in several):
+            raise ExerciseFailed("the first position's logits chose the token: the last position predicts what "
+                                 "comes after the prompt, so take the argmax of its probabilities")
+        if all(picked in _best_anywhere(each) for picked, each in several):
             raise ExerciseFailed("argmax over every position's logits (flattened, or the best of each column): "
                                  "only the last position chooses the next token, so take it over the last row only")
-        if token != int(logits[-1].argmax()):
-            raise ExerciseFailed(f"token {token} is not the most probable one ({int(logits[-1].argmax())})")
+        raise ExerciseFailed(f"token {token} is not the most probable one ({int(logits[-1].argmax())})")
     expect_value_error(lambda: fn(torch.zeros(0, 4, dtype=torch.float64), _random(4, 5, seed=53)),
                        "no positions at all", "there is no last position")
     return "the last position's logits, softmax over the vocabulary, argmax as an int"
