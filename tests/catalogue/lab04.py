@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from catalogue import Right, Wrong
+from labkit.attention.reference import naive_attention
 from labkit_course import worked_example as ref
 
 
@@ -101,6 +102,14 @@ WRONG = [
           calls="labkit_course.worked_example.attend"),
     Wrong("append_and_attend", "attends with torch's SDPA", append_then_sdpa, "scaled_dot_product_attention",
           calls="torch.nn.functional.scaled_dot_product_attention"),
+    Wrong("append_and_attend", "attends with labkit's reference attention",
+          lambda ck, cv, q, k, v: (*appended(ck, cv, k, v), naive_attention(
+              q[:, None], *(t[:, None] for t in appended(ck, cv, k, v)), causal=False)[:, 0]),
+          "`naive_attention`", calls="labkit.attention.reference.naive_attention"),
+    Wrong("append_and_attend", "the worked example's scaled_scores and causal_softmax",
+          lambda ck, cv, q, k, v: (*appended(ck, cv, k, v), ref.causal_softmax(ref.scaled_scores(
+              q, appended(ck, cv, k, v)[0])) @ appended(ck, cv, k, v)[1]),
+          "`scaled_scores`", calls="labkit_course.worked_example.scaled_scores"),
 ]
 
 

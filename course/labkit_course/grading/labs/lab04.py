@@ -40,6 +40,9 @@ def embed_token(ns):
 
 
 @exercise("04", "append_and_attend", forbidden=("labkit_course.worked_example.attend",
+                                               "labkit_course.worked_example.scaled_scores",
+                                               "labkit_course.worked_example.causal_softmax",
+                                               "labkit.attention.reference.naive_attention",
                                                "torch.nn.functional.scaled_dot_product_attention"))
 def append_and_attend(ns):
     fn = require(ns, "append_and_attend")
