@@ -6,7 +6,7 @@ import torch
 
 from catalogue import Right, Wrong
 from labkit.attention.flash import attention_hbm_bytes
-from labkit.parallel.layers import shard_columns, shard_rows
+from labkit.parallel.layers import shard_bounds, shard_columns, shard_rows
 from labkit_course.grading.labs.lab15 import reference_attention_traffic, reference_shard_linear
 
 # --------------------------------------------------------------------------------------- shard_linear
@@ -58,6 +58,29 @@ def shard_asserting(weight, bias, rank, world_size, mode):
     dim = 0 if mode == "column" else 1
     assert weight.shape[dim] % world_size == 0, "uneven split"
     return shard_by_slices(weight, bias, rank, world_size, mode)
+
+
+def shard_checking_out_features_only(weight, bias, rank, world_size, mode):
+    """Checks the even split on out_features whatever the mode: a row split of uneven in_features drops columns."""
+    if weight.shape[0] % world_size:
+        raise ValueError("uneven")
+    dim = 0 if mode == "column" else 1
+    part = weight.shape[dim] // world_size
+    w = weight.narrow(dim, rank * part, part).clone()
+    if bias is None:
+        return w, None
+    if mode == "column":
+        return w, bias[rank * part:(rank + 1) * part].clone()
+    return w, (bias.clone() if rank == 0 else None)
+
+
+def shard_by_labkit_bounds(weight, bias, rank, world_size, mode):
+    dim = 0 if mode == "column" else 1
+    start, end = shard_bounds(weight.shape[dim], rank, world_size, "features")
+    w = weight.narrow(dim, start, end - start).clone()
+    if mode == "column":
+        return w, None if bias is None else bias[start:end].clone()
+    return w, (bias.clone() if bias is not None and rank == 0 else None)
 
 
 def shard_ragged(weight, bias, rank, world_size, mode):
@@ -286,6 +309,10 @@ WRONG = [
           lambda w, b, r, p, mode: (shard_columns(w, r, p) if mode == "column" else shard_rows(w, r, p),
                                     shard_by_slices(w, b, r, p, mode)[1]),
           "`shard_columns`", calls="labkit.parallel.layers.shard_columns"),
+    Wrong("shard_linear", "the even split checked on out_features in row mode too", shard_checking_out_features_only,
+          "6 in_features across 4 ranks do not split evenly"),
+    Wrong("shard_linear", "calls labkit's shard_bounds", shard_by_labkit_bounds, "`shard_bounds`",
+          calls="labkit.parallel.layers.shard_bounds"),
     Wrong("shard_linear", "imports the grader's reference", lambda *a: reference_shard_linear(*a),
           "`reference_shard_linear`", calls="labkit_course.grading.labs.lab15.reference_shard_linear"),
     Wrong("row_parallel_forward", "bias added on every rank", row_forward_bias_each, "added once, after the sum"),

@@ -37,6 +37,7 @@ def _shard_mistakes(weight, bias, rank, world_size, mode):
 
 
 @exercise("15", "shard_linear", forbidden=("labkit.parallel.layers.shard_columns", "labkit.parallel.layers.shard_rows",
+                                           "labkit.parallel.layers.shard_bounds",
                                            "labkit_course.grading.labs.lab15.reference_shard_linear"))
 def shard_linear(ns):
     fn = require(ns, "shard_linear")
@@ -68,17 +69,18 @@ def shard_linear(ns):
                             "column-parallel: each rank owns its out_features, so it takes their slice of the bias"
                             if mode == "column" else "row-parallel: rank 0 keeps the whole bias (added once, "
                             "after the sum), not a slice of it")
-    try:
-        fn(torch.zeros(6, 4), None, 0, 4, "column")
-    except (NotImplementedError, ExerciseFailed):
-        raise
-    except Exception as error:  # noqa: BLE001 - the student's code raised, as it should; which type?
-        name = raised_type(error)  # the sandbox names the student's type
-        if name != "ValueError":
-            raise ExerciseFailed(f"uneven split: raise a ValueError, not {name}") from None
-    else:
-        raise ExerciseFailed("6 out_features across 4 ranks do not split evenly: raise a ValueError "
-                             "instead of handing ranks different shapes")
+    for shape, mode, features in (((6, 4), "column", "out_features"), ((4, 6), "row", "in_features")):
+        try:
+            fn(torch.zeros(shape), None, 0, 4, mode)
+        except (NotImplementedError, ExerciseFailed):
+            raise
+        except Exception as error:  # noqa: BLE001 - the student's code raised, as it should; which type?
+            name = raised_type(error)  # the sandbox names the student's type
+            if name != "ValueError":
+                raise ExerciseFailed(f"uneven split: raise a ValueError, not {name}") from None
+        else:
+            raise ExerciseFailed(f"{mode}-parallel: 6 {features} across 4 ranks do not split evenly: raise a "
+                                 "ValueError instead of handing ranks different shapes (or dropping features)")
     return "column: rows of W and the bias slice; row: columns of W, bias on rank 0 only"
 
 
