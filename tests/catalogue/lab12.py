@@ -11,7 +11,7 @@ from labkit.model.config import ModelConfig
 from labkit.model.kv_heads import pool_kv_heads as labkit_pool_kv_heads
 from labkit.model.perplexity import perplexity_from_logits
 from labkit_course.grading.labs.lab12 import reference_decode_regimes, reference_kv_capacity
-from labkit_course.roofline import decode_cost
+from labkit_course.roofline import _linear_params_per_layer, decode_cost
 
 # ------------------------------------------------------------------------------------- decode_regimes
 
@@ -97,6 +97,30 @@ def regimes_with_labkit_costs(config, kv_heads_list, batches, contexts, peak_flo
         return cost.flops / attainable, bound
 
     return {h: {(b, n): step(h, b, n) for b, n in itertools.product(batches, contexts)} for h in kv_heads_list}
+
+
+def regimes_from_labkit_parts(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2):
+    """The pricing assembled from labkit's per-layer parameter count and K/V bytes per token."""
+    _check_heads(config, kv_heads_list)
+    result = {}
+    for h in kv_heads_list:
+        shape = ModelConfig(architecture="llama", **{**config, "num_kv_heads": h}, max_position_embeddings=1,
+                            rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True)
+        params = shape.num_layers * _linear_params_per_layer(shape) + shape.vocab_size * shape.hidden_size
+        grid = result[h] = {}
+        for b, n in itertools.product(batches, contexts):
+            flops = b * (2 * params + 4 * shape.num_layers * shape.num_heads * shape.head_dim * n)
+            nbytes = params * dtype_bytes + b * n * shape.kv_cache_bytes_per_token(dtype_bytes)
+            attainable, bound = roofline(flops / nbytes, peak_flops, bandwidth)
+            grid[b, n] = (flops / attainable, bound)
+    return result
+
+
+def regimes_refusing_only_zero(config, kv_heads_list, *args):
+    """Guards only the zero division: 9 % -3 == 0, so -3 K/V heads are priced."""
+    if any(h == 0 or config["num_heads"] % h for h in kv_heads_list):
+        raise ValueError("K/V heads must divide the query heads")
+    return regimes_with(check=False)(config, kv_heads_list, *args)
 
 
 def regimes_half_right(config, kv_heads_list, batches, contexts, peak_flops, bandwidth, dtype_bytes=2, *,
@@ -225,6 +249,17 @@ def pool_in_place(weight, num_kv_heads, new_num_kv_heads):
     return pooled
 
 
+def pool_in_float32(weight, num_kv_heads, new_num_kv_heads):
+    """Averages in float32 and keeps it: a bf16 checkpoint's pooled weight comes back float32."""
+    return pool_reshape_mean(weight.float(), num_kv_heads, new_num_kv_heads)
+
+
+def pool_returning_the_weight(weight, num_kv_heads, new_num_kv_heads):
+    if num_kv_heads == new_num_kv_heads:
+        return weight
+    return pool_reshape_mean(weight, num_kv_heads, new_num_kv_heads)
+
+
 def pool_skips_identity(weight, num_kv_heads, new_num_kv_heads):
     if num_kv_heads == new_num_kv_heads:
         return torch.zeros_like(weight)
@@ -251,6 +286,12 @@ def perplexity_logsumexp_loop(logits, token_ids):
 def perplexity_unstable(logits, token_ids):
     probs = torch.softmax(logits[:-1], dim=-1)
     return torch.exp(-torch.log(probs.gather(1, token_ids[1:, None])).mean()).item()
+
+
+def perplexity_log_of_softmax_in_float64(logits, token_ids):
+    """log(softmax) in float64: exp(-200) survives, exp(-1000) is 0."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    return float(torch.exp(-torch.log(probs[:-1].gather(1, token_ids[1:, None])).mean()))
 
 
 def _nll(logits, token_ids):
@@ -329,6 +370,10 @@ WRONG = [
           "wrote into the config it was given"),
     Wrong("decode_regimes", "labkit's decode_cost on a rebuilt config", regimes_with_labkit_costs, "`decode_cost`",
           calls="labkit_course.roofline.decode_cost"),
+    Wrong("decode_regimes", "labkit's parameter count and K/V bytes per token", regimes_from_labkit_parts,
+          "`_linear_params_per_layer`", calls="labkit_course.roofline._linear_params_per_layer"),
+    Wrong("decode_regimes", "refuses a zero K/V-head count but not a negative one", regimes_refusing_only_zero,
+          "a count below 1"),
     Wrong("kv_capacity", "writes defaults into the config",
           lambda config, *a: kv_capacity_arithmetic(config, *a) if config.update(hidden_size=1) is None else None,
           "wrote into the config it was given"),
@@ -361,6 +406,11 @@ WRONG = [
     Wrong("pool_kv_heads", "calls labkit's pooling", lambda *a: labkit_pool_kv_heads(*a), "`pool_kv_heads`",
           calls="labkit.model.kv_heads.pool_kv_heads"),
     Wrong("pool_kv_heads", "returns float64", lambda *a: pool_reshape_mean(*a).double(), "return the weight's dtype"),
+    Wrong("pool_kv_heads", "averages in float32 and returns it", pool_in_float32,
+          "return the weight's dtype (torch.bfloat16)"),
+    Wrong("pool_kv_heads", "returns the weight itself when nothing is pooled", pool_returning_the_weight,
+          "return a new tensor"),
+    Wrong("perplexity", "log of softmax in float64", perplexity_log_of_softmax_in_float64, "use log_softmax"),
     Wrong("perplexity", "subtracts the logsumexp in place",
           lambda logits, ids: perplexity_log_softmax(logits.sub_(logits.logsumexp(-1, keepdim=True)), ids),
           "changed the logits"),

@@ -129,7 +129,9 @@ def _unchanged(given: dict, original: dict, name: str) -> None:
 
 @exercise("12", "decode_regimes", forbidden=("labkit_course.grading.labs.lab12.reference_decode_regimes",
                                              "labkit_course.roofline.decode_cost", "labkit_course.roofline.step_cost",
-                                             "labkit_course.roofline.weight_bytes"))
+                                             "labkit_course.roofline.weight_bytes",
+                                             "labkit_course.roofline._linear_params_per_layer",
+                                             "labkit.model.config.ModelConfig.kv_cache_bytes_per_token"))
 def decode_regimes(ns):
     fn = require(ns, "decode_regimes")
     machines = [(1.0e15, 3.35e12), (100e9, 20e9), (8.0e12, 2.0e12), (2.0e12, 0.1e12)]
@@ -167,7 +169,7 @@ def decode_regimes(ns):
         raise ExerciseFailed(f"{where}, {h} K/V heads, batch {batch}, context {context}: "
                              f"expected {want[h][batch, context]}, got {got[h][batch, context]!r}")
     smollm2 = _SHAPES["SmolLM2-135M"][0]
-    for bad in ([2], [9, 0], [4, 3]):
+    for bad in ([2], [9, 0], [4, 3], [-3]):
         try:
             fn(dict(smollm2), bad, [1], [0], *machines[0], 2)
         except ExerciseFailed:
@@ -177,6 +179,9 @@ def decode_regimes(ns):
             if raised == "ValueError":
                 continue
             raise ExerciseFailed(f"K/V heads {bad} for 9 query heads: raise a ValueError, not {raised}") from None
+        if min(bad) < 0:
+            raise ExerciseFailed(f"K/V heads {bad} for 9 query heads: a count below 1 is no model, even where it "
+                                 "divides num_heads (9 % -3 == 0); raise a ValueError naming the count")
         raise ExerciseFailed(f"K/V heads {bad} for 9 query heads: every K/V-head count must divide num_heads "
                              "(and be at least 1); raise a ValueError naming the count")
     if fn(dict(smollm2), [], [1], [0], *machines[0], 2) != {}:
@@ -288,10 +293,12 @@ def _pool_mistakes(weight, num_kv, new):
 def pool_kv_heads(ns):
     fn = require(ns, "pool_kv_heads")
     gen = seeded_generator(12)
-    # (num_kv_heads, new_num_kv_heads, head_dim, hidden): SmolLM2's 3 -> 1 first, then groups of 2 and 4
-    for num_kv, new, head_dim, hidden in [(3, 1, 4, 5), (6, 2, 3, 4), (4, 2, 2, 3), (8, 2, 6, 2), (6, 3, 2, 7),
-                                          (4, 4, 3, 2), (2, 1, 64, 8)]:
-        weight = torch.randn(num_kv * head_dim, hidden, generator=gen)
+    float32, bfloat16 = torch.float32, torch.bfloat16  # bf16, as real checkpoints are
+    # (num_kv_heads, new_num_kv_heads, head_dim, hidden, dtype): SmolLM2's 3 -> 1 first, then groups of 2 and 4
+    for num_kv, new, head_dim, hidden, dtype in [(3, 1, 4, 5, float32), (6, 2, 3, 4, float32), (4, 2, 2, 3, float32),
+                                                 (8, 2, 6, 2, float32), (6, 3, 2, 7, float32), (4, 4, 3, 2, float32),
+                                                 (2, 1, 64, 8, float32), (6, 2, 4, 8, bfloat16)]:
+        weight = torch.randn(num_kv * head_dim, hidden, generator=gen).to(dtype)
         given = weight.clone()
         got = fn(given, num_kv, new)
         if not torch.equal(given, weight):
@@ -299,12 +306,18 @@ def pool_kv_heads(ns):
                                  "(the original model keeps its heads)")
         expect_tensor(got, (new * head_dim, hidden), f"pooling {num_kv} heads of {head_dim} rows into {new}")
         if got.dtype != weight.dtype:
-            raise ExerciseFailed(f"return the weight's dtype ({weight.dtype}), got {got.dtype}")
+            raise ExerciseFailed(f"return the weight's dtype ({weight.dtype}), got {got.dtype}: average in a wider "
+                                 "dtype if you like, then convert back")
         want = reference_pool_kv_heads(weight, num_kv, new)
-        if torch.allclose(got, want, atol=1e-6):
+        tolerance = 1e-6 if dtype == float32 else 1e-2  # bf16 keeps 8 bits: a sum, then a division, may round
+        if torch.allclose(got, want, atol=tolerance, rtol=tolerance):
+            if got.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+                raise ExerciseFailed(f"{num_kv} -> {new} heads returned the weight's own memory: return a new "
+                                     "tensor (clone it), or an edit of the pooled weight changes the original model")
             continue
         for why, wrong in _pool_mistakes(weight, num_kv, new):
-            if wrong is not None and wrong.shape == got.shape and torch.allclose(got, wrong, atol=1e-6):
+            if wrong is not None and wrong.shape == got.shape and torch.allclose(got, wrong, atol=tolerance,
+                                                                                 rtol=tolerance):
                 raise ExerciseFailed(why)
         if new == num_kv:
             raise ExerciseFailed(f"with as many new heads as old ones ({num_kv}) every group is one head: "
@@ -344,10 +357,11 @@ def perplexity(ns):
     cases = []
     for T, vocab, scale in [(2, 5, 1.0), (6, 11, 2.0), (20, 50, 3.0), (64, 300, 1.5)]:
         cases.append((torch.randn(T, vocab, generator=gen) * scale, torch.randint(vocab, (T,), generator=gen)))
-    # a confident model that is wrong once: the target's logit is 200 below the best one
-    confident = torch.zeros(4, 8)
-    confident[:, 0] = 200.0
-    cases.append((confident, torch.tensor([3, 5, 0, 0])))
+    # a confident model that is wrong once: the target's logit is 1000 below the best one, so its probability,
+    # exp(-1000), is 0 even in float64; over 15 predictions the perplexity, exp(1000 / 15), still fits a float32
+    confident = torch.zeros(16, 8)
+    confident[:, 0] = 1000.0
+    cases.append((confident, torch.tensor([3, 5] + [0] * 14)))
     for logits, ids in cases:
         given_logits, given_ids = logits.clone(), ids.clone()
         got = fn(given_logits, given_ids)
