@@ -197,6 +197,8 @@ WRONG = [
     Wrong("schedule_step", "ignores the token budget", no_budget, "more than the budget"),
     Wrong("schedule_step", "forgets to subtract the blocks it gave", lambda *a: schedule(*a, subtract=False),
           "subtract them before the next request"),
+    Wrong("schedule_step", "sorted by priority alone, ties left in the waiting list's order",
+          lambda *a: schedule(*a, order=lambda r: -r.priority), "not by priority alone"),
     Wrong("schedule_step", "latest arrival first among equal priorities",
           lambda *a: schedule(*a, order=lambda r: (-r.priority, -r.arrival)), "the earliest arrival goes first"),
     Wrong("schedule_step", "refuses a request needing exactly the free blocks (>=)",

@@ -101,6 +101,8 @@ MISTAKES = [
                                                       "starves long prompts: highest priority first, then arrival"),
     (dict(order=lambda r: r.arrival), "ignored priorities: highest priority first, then earliest arrival"),
     (dict(order=lambda r: (r.priority, r.arrival)), "lowest priority first: higher priority values run first"),
+    (dict(order=lambda r: -r.priority), "equal priorities kept the waiting list's order: sort by priority, then "
+                                         "by arrival (earliest first), not by priority alone"),
     (dict(order=lambda r: (-r.priority, -r.arrival)), "among equal priorities the latest arrival went first: the "
                                                        "earliest arrival goes first (first come, first served)"),
     (dict(exact_fit=False), "a request needing exactly the free blocks was refused (>= on blocks): it fits; "
@@ -168,8 +170,9 @@ def _diagnose(case, got, want, mistake: str | None) -> str:
         return f"the plan runs {len(got)} requests, more than max_num_seqs={max_seqs}: {where}"
     if [p for p in got if p[0] in running] != [(r, 1) for r in running]:
         return f"every running request decodes one token, before anything is admitted: {where}"
-    if mistake is None:  # no one mistake gives every plan: the first that gives this one
-        mistake = next((message for variant, message in MISTAKES if got == _schedule(case, **variant)), None)
+    if mistake is None:  # no one mistake gives every plan: the first that gives this one, offered as a guess
+        mistake = next((f"perhaps: {message}" for variant, message in MISTAKES if got == _schedule(case, **variant)),
+                       None)
     return f"got {got}, expected {want}: {mistake}. {where}" if mistake else f"expected {want}, got {got}: {where}"
 
 
