@@ -394,6 +394,14 @@ WRONG += [
     Wrong("roofline", "no argument checks", roofline_with(validate=False), "raise a ValueError"),
     Wrong("roofline", "imports the grader's roofline", lambda i, p, w: _roofline(i, p, w), "`_roofline`",
           calls="labkit_course.grading.labs.lab02._roofline"),
+    Wrong("critical_batch", "no attention FLOPs", critical_batch_with(cost=decode_with(
+        flops=lambda c, p, s, b: 2 * p * len(s))), "attention's FLOPs were left out"),
+    Wrong("critical_batch", "attention FLOPs per KV head", critical_batch_with(cost=decode_with(
+        flops=lambda c, p, s, b: 2 * p * len(s) + 4 * c["num_layers"] * c["num_kv_heads"] * c["head_dim"] * sum(s))),
+          "not per KV head"),
+    Wrong("critical_batch", "2 attention FLOPs per cached token and head dimension", critical_batch_with(
+        cost=decode_with(flops=lambda c, p, s, b: 2 * p * len(s) + 2 * c["num_layers"] * c["num_heads"]
+                         * c["head_dim"] * sum(s))), "attention FLOPs were undercounted"),
     Wrong("critical_batch", "the erratum: weights only", critical_batch_with(cost=weights_only_cost),
           "K/V reads were left out"),
     Wrong("critical_batch", "strictly above the ridge", critical_batch_with(compare=lambda i, r: i > r),

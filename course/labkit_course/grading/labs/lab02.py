@@ -471,11 +471,12 @@ def _check_roofline(fn, peak, bandwidth, intensities):
                                  f"ridge ({ridge:g} FLOP/byte): it is {want_bound}-bound, not {bound}-bound")
 
 
-def _critical_batch(cfg, num_params, context, peak_flops, bandwidth, dtype_bytes=2, max_batch=4096):
+def _critical_batch(cfg, num_params, context, peak_flops, bandwidth, dtype_bytes=2, max_batch=4096, *, flops=None):
+    """`flops` replaces one sequence's FLOPs, to re-create a miscount."""
     one = _decode_cost(cfg, num_params, [context], dtype_bytes)  # every sequence costs the same
-    per_sequence_bytes = one["kv_bytes"]
+    per_sequence_bytes, per_sequence_flops = one["kv_bytes"], flops or one["flops"]
     for batch in range(1, max_batch + 1):
-        if batch * one["flops"] / (one["weight_bytes"] + batch * per_sequence_bytes) >= peak_flops / bandwidth:
+        if batch * per_sequence_flops / (one["weight_bytes"] + batch * per_sequence_bytes) >= peak_flops / bandwidth:
             return batch
     return None
 
@@ -555,6 +556,15 @@ def _check_critical_batch(fn, cfg, num_params, context, peak, bandwidth, b, max_
                               b, max_batch):
         raise ExerciseFailed(f"{where}: got {got!r}, expected {want!r}: K/V bytes counted with num_heads; only "
                              "num_kv_heads heads are cached (GQA)")
+    per_head = 4 * cfg["num_layers"] * cfg["head_dim"] * context  # one query head's attention FLOPs
+    undercounted = ("attention FLOPs were undercounted: 4 x layers x num_heads x head_dim per cached token (2 for q.k "
+                    "and 2 for the weighted V, in every query head, not per KV head)")
+    for flops, why in ((2 * num_params, "attention's FLOPs were left out: each sequence also does 4 x layers x "
+                                        "num_heads x head_dim per cached token"),
+                       (2 * num_params + per_head * cfg["num_heads"] // 2, undercounted),
+                       (2 * num_params + per_head * cfg["num_kv_heads"], undercounted)):
+        if got == _critical_batch(cfg, num_params, context, peak, bandwidth, b, max_batch, flops=flops) != want:
+            raise ExerciseFailed(f"{where}: got {got!r}, expected {want!r}: {why}")
     if want is None:
         raise ExerciseFailed(f"{where}: got {got!r}; no batch up to max_batch reaches the ridge, expected None")
     if got is None:
