@@ -36,20 +36,22 @@ def factory(kernel, **switches):
 
 
 # The switches' values in the lab's own answers (each variant sets all of its kernel's)
-TAIL, SHIFT, ONE_TILE, DIVIDE = map(tl.constexpr, (float("-inf"), True, False, True))
+TAIL, SHIFT, ONE_TILE, DIVIDE, FIRST_MAX, MASK_STORE = map(
+    tl.constexpr, (float("-inf"), True, False, True, False, True))
 STORE_MASK, STORE_V, SWAP, STRIDE_PAD = map(tl.constexpr, ("where", True, False, False))
-MASK, GQA, RESCALE, FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, SCALED, ONE_MORE, HEAD_ELEMENTS, VISIBLE = map(
-    tl.constexpr, (True, "div", True, 0, False, True, False, True, 0, False, "causal"))
+MASK, GQA, RESCALE, FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, SCALED, ONE_MORE, HEAD_ELEMENTS, VISIBLE, MAX, GUARD = map(
+    tl.constexpr, (True, "div", True, 0, False, True, False, True, 0, False, "causal", "running", True))
 
 
 @triton.jit
 def _softmax(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
-    """Three passes over a row in tiles: max, sum of exp, write. The switches make typical mistakes."""
+    """Three passes over a row in tiles: max, sum of exp, write. The switches make typical mistakes; FIRST_MAX
+    takes the max of the first tile only, MASK_STORE False stores every lane of the tail tile."""
     row = tl.program_id(0) * n_cols
     cols = tl.arange(0, BLOCK)
     last = BLOCK if ONE_TILE else n_cols  # ONE_TILE: treats the row as one tile of BLOCK lanes
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-    for start in range(0, last, BLOCK):
+    for start in range(0, BLOCK if FIRST_MAX else last, BLOCK):
         m = tl.maximum(m, tl.max(tl.load(x_ptr + row + start + cols, mask=start + cols < n_cols, other=TAIL), 0))
     if not SHIFT:
         m = 0.0
@@ -60,11 +62,13 @@ def _softmax(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     for start in range(0, last, BLOCK):
         mask = start + cols < n_cols
         x = tl.load(x_ptr + row + start + cols, mask=mask, other=float("-inf"))
-        tl.store(out_ptr + row + start + cols, tl.exp(x - m) / total if DIVIDE else tl.exp(x - m), mask=mask)
+        tl.store(out_ptr + row + start + cols, tl.exp(x - m) / total if DIVIDE else tl.exp(x - m),
+                 mask=mask if MASK_STORE else None)
 
 
-def softmax_variant(tail=float("-inf"), shift=True, one_tile=False, divide=True):
-    return factory(_softmax, TAIL=tail, SHIFT=shift, ONE_TILE=one_tile, DIVIDE=divide)
+def softmax_variant(tail=float("-inf"), shift=True, one_tile=False, divide=True, first_max=False, mask_store=True):
+    return factory(_softmax, TAIL=tail, SHIFT=shift, ONE_TILE=one_tile, DIVIDE=divide, FIRST_MAX=first_max,
+                   MASK_STORE=mask_store)
 
 
 @triton.jit
@@ -116,18 +120,21 @@ def softmax_rows_torch(x, block=128):
 @triton.jit
 def _store(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
     """STORE_MASK: "where" (the lab's), "if" (skip the program), "and" (block & scalar, which the interpreter
-    rejects), "row" (lanes only, slot -1 stored), "slot" (slot only, the ROW_PAD lanes all stored)."""
+    rejects), "row" (lanes only, slot -1 stored), "slot" (slot only, the ROW_PAD lanes all stored), "clamp"
+    (lanes only, slot -1 stored into slot 0)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     offs = tl.arange(0, ROW_PAD)
     if STORE_MASK == "and":
         mask = (offs < ROW) & (slot >= 0)
-    elif STORE_MASK == "row":
+    elif STORE_MASK == "row" or STORE_MASK == "clamp":
         mask = offs < ROW
     elif STORE_MASK == "slot":
         mask = offs < tl.where(slot >= 0, ROW_PAD, 0)
     else:
         mask = offs < tl.where(slot >= 0, ROW, 0)
+    if STORE_MASK == "clamp":
+        slot = tl.maximum(slot, 0)
     start = slot * ROW_PAD if STRIDE_PAD else slot * ROW
     k_dst, v_dst = (v_cache_ptr, k_cache_ptr) if SWAP else (k_cache_ptr, v_cache_ptr)
     if STORE_MASK != "if" or slot >= 0:
@@ -144,10 +151,11 @@ def store_variant(mask="where", store_v=True, swap=False, stride_pad=False):
 def _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, last, scale, max_blocks,
             NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
             RESCALE: tl.constexpr, FIXED_BLOCK: tl.constexpr, WHOLE_BLOCKS: tl.constexpr, F32: tl.constexpr,
-            EXP2: tl.constexpr, ONE_MORE: tl.constexpr, HEAD_ELEMENTS: tl.constexpr):
+            EXP2: tl.constexpr, ONE_MORE: tl.constexpr, HEAD_ELEMENTS: tl.constexpr, MAX: tl.constexpr):
     """One query row against keys first..last of a sequence's blocks, online softmax. The switches make
     typical mistakes; FIXED_BLOCK > 0 assumes blocks of that many tokens whatever BLOCK_SIZE says, ONE_MORE
-    lets key last + 1 in (pos <= context_len), HEAD_ELEMENTS offsets KV head kv by kv elements, not kv rows."""
+    lets key last + 1 in (pos <= context_len), HEAD_ELEMENTS offsets KV head kv by kv elements, not kv rows, MAX
+    "none" takes exp(score) with no max, "first" the first block's max only, never rescaled."""
     B: tl.constexpr = FIXED_BLOCK if FIXED_BLOCK > 0 else BLOCK_SIZE
     d = tl.arange(0, HEAD_DIM)
     j = tl.arange(0, B)
@@ -171,6 +179,10 @@ def _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, 
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.where(valid, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 0))
+        if MAX == "none":
+            m_new = tl.zeros_like(m_new)
+        elif MAX == "first":
+            m_new = tl.where(b == first // B, m_new, m)
         if EXP2:
             p = tl.exp2((s - m_new) * 1.4426950408889634)
         else:
@@ -204,25 +216,26 @@ def _decode(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_
     out = _attend(tl.load(q_ptr + row), k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
                   _kv_head(head, NUM_HEADS, NUM_KV_HEADS, GQA), 0, tl.load(context_lens_ptr + seq) - 1,
                   scale if SCALED else 1.0, max_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, MASK, RESCALE,
-                  FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, ONE_MORE, HEAD_ELEMENTS)
+                  FIXED_BLOCK, WHOLE_BLOCKS, F32, EXP2, ONE_MORE, HEAD_ELEMENTS, MAX)
     tl.store(out_ptr + row, out)
 
 
 def decode_variant(mask=True, gqa="div", rescale=True, fixed_block=0, whole_blocks=False, f32=True, exp2=False,
-                   scaled=True, one_more=0, head_elements=False):
+                   scaled=True, one_more=0, head_elements=False, running_max="running"):
     return factory(_decode, MASK=mask, GQA=gqa, RESCALE=rescale, FIXED_BLOCK=fixed_block, WHOLE_BLOCKS=whole_blocks,
-                   F32=f32, EXP2=exp2, SCALED=scaled, ONE_MORE=one_more, HEAD_ELEMENTS=head_elements)
+                   F32=f32, EXP2=exp2, SCALED=scaled, ONE_MORE=one_more, HEAD_ELEMENTS=head_elements, MAX=running_max)
 
 
 @triton.jit
 def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr, scale, max_blocks,
              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """VISIBLE: "causal" (the lab's), "top_left" (key <= i), "all" (no causal mask), "new_only" (prefix skipped)."""
+    """VISIBLE: "causal" (the lab's), "top_left" (key <= i), "all" (no causal mask), "new_only" (prefix skipped);
+    GUARD False lets the programs with i >= q_len store too (past the sequence's rows)."""
     seq, head, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
-    if i < q_len:
+    if (i < q_len) | (not GUARD):
         if VISIBLE == "top_left":
             last = i
         elif VISIBLE == "all":
@@ -234,12 +247,14 @@ def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_pt
         out = _attend(tl.load(q_ptr + row), k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
                       _kv_head(head, NUM_HEADS, NUM_KV_HEADS, GQA), first, last, scale if SCALED else 1.0,
                       max_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, True, True, 0, False, F32, EXP2, 0,
-                      HEAD_ELEMENTS)
+                      HEAD_ELEMENTS, MAX)
         tl.store(out_ptr + row, out)
 
 
-def prefill_variant(visible="causal", gqa="div", f32=True, exp2=False, scaled=True, head_elements=False):
-    return factory(_prefill, VISIBLE=visible, GQA=gqa, F32=f32, EXP2=exp2, SCALED=scaled, HEAD_ELEMENTS=head_elements)
+def prefill_variant(visible="causal", gqa="div", f32=True, exp2=False, scaled=True, head_elements=False,
+                    running_max="running", guard=True):
+    return factory(_prefill, VISIBLE=visible, GQA=gqa, F32=f32, EXP2=exp2, SCALED=scaled, HEAD_ELEMENTS=head_elements,
+                   MAX=running_max, GUARD=guard)
 
 
 def torch_attention(*args):
@@ -304,10 +319,15 @@ WRONG = [
     Wrong("softmax_kernel", "each tile normalized on its own", lambda: _softmax_tilewise, "normalized on its own"),
     Wrong("softmax_kernel", "one tile as wide as the rows, BLOCK ignored", lambda: _softmax_one_wide_tile,
           "more than a Triton tile can hold"),
+    Wrong("softmax_kernel", "the first tile's max for the whole row", softmax_variant(first_max=True),
+          "not the first tile's only"),
+    Wrong("softmax_kernel", "tail tile stored unmasked", softmax_variant(mask_store=False),
+          "mask the tail tile's store"),
     Wrong("softmax_kernel", "not divided by the sum", softmax_variant(divide=False), "not divided"),
     Wrong("softmax_kernel", "a torch wrapper, no kernel", lambda: softmax_rows_torch, NOT_A_KERNEL),
     Wrong("softmax_kernel", "a KernelInterface whose run() is torch code", TorchSoftmax, NOT_A_KERNEL),
     Wrong("store_kv_kernel", "slot -1 not masked", store_variant(mask="row"), "slot -1 was stored"),
+    Wrong("store_kv_kernel", "slot -1 clamped to slot 0", store_variant(mask="clamp"), "slot -1 was stored in slot 0"),
     Wrong("store_kv_kernel", "the padding lanes past ROW stored", store_variant(mask="slot"), "mask the lanes >= ROW"),
     Wrong("store_kv_kernel", "mask as (offs < ROW) & (slot >= 0)", store_variant(mask="and"),
           "put the scalar condition into the bound"),
@@ -336,6 +356,9 @@ WRONG = [
           "not kv * HEAD_DIM"),
     Wrong("paged_prefill_kernel", "KV-head offset not multiplied by HEAD_DIM", prefill_variant(head_elements=True),
           "not kv * HEAD_DIM"),
+    Wrong("paged_decode_kernel", "exp(score) with no max", decode_variant(running_max="none"), "exp overflows"),
+    Wrong("paged_decode_kernel", "the first block's max only", decode_variant(running_max="first"),
+          "not the first block's"),
     Wrong("paged_decode_kernel", "forgot the scale", decode_variant(scaled=False), "not scaled"),
     Wrong("paged_decode_kernel", "a torch wrapper, no kernel", lambda: torch_attention, NOT_A_KERNEL),
     Wrong("paged_decode_kernel", "zeroes the values it reads, and its output", lambda: _blank_decode,
@@ -350,6 +373,10 @@ WRONG = [
     Wrong("paged_prefill_kernel", "GQA head by modulo", prefill_variant(gqa="mod"), "h % NUM_KV_HEADS"),
     Wrong("paged_prefill_kernel", "GQA ignored: KV head = query head", prefill_variant(gqa="same"),
           "right when every query head has its own KV head"),
+    Wrong("paged_prefill_kernel", "exp(score) with no max", prefill_variant(running_max="none"), "exp overflows"),
+    Wrong("paged_prefill_kernel", "the first block's max only", prefill_variant(running_max="first"),
+          "not the first block's"),
+    Wrong("paged_prefill_kernel", "no `if i < q_len` guard", prefill_variant(guard=False), "if i < q_len"),
     Wrong("paged_prefill_kernel", "forgot the scale", prefill_variant(scaled=False), "not scaled"),
     Wrong("paged_prefill_kernel", "computes in the caches' dtype", prefill_variant(f32=False),
           "would not compile for a GPU"),

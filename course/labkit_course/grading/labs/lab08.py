@@ -25,6 +25,7 @@ TOLERANCE = {torch.float32: (1e-5, 2e-5), torch.float16: (2e-3, 1e-3), torch.bfl
 NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 OWN_KERNELS = ("labkit.attention.triton_kernels.jit_kernels",)  # labkit's kernels: its answer to these exercises
 TRITON_MAX_TILE = 2**20  # the most elements one Triton tensor (a tile) may hold: triton's TRITON_MAX_TENSOR_NUMEL
+ROOM = 2**16  # the most elements `_in_buffer` puts on each side of a tensor: the widest tile a case launches
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -51,10 +52,33 @@ def _not_a_kernel(factory: str, type_name: str) -> str:
             "with kernel[grid](...), is not graded)")
 
 
-def _launch(kernel, factory: str, case: str, grid: tuple, *args, read_only: dict, **constexprs) -> None:
+def _in_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` copied into the middle of a buffer holding as many elements (at most ROOM) before and after it,
+    all -1 (a block table entry past the end names no block): a load or store out of bounds lands in the buffer,
+    not in memory the process uses (Triton's interpreter checks no bounds: such a store kills the kernel), and
+    `_launch` finds what was stored there."""
+    room = min(tensor.numel(), ROOM)
+    buffer = torch.full((2 * room + tensor.numel(),), -1, dtype=tensor.dtype, device=tensor.device)
+    inside = buffer[room:room + tensor.numel()].view(tensor.shape)
+    inside.copy_(tensor)
+    return inside
+
+
+def _stored_outside(tensor: torch.Tensor) -> str | None:
+    """Where a kernel stored around `tensor`, a tensor `_in_buffer` made: "before" or "past the end of"."""
+    buffer, start = tensor._base, tensor.storage_offset()
+    for where, room in (("before", buffer[:start]), ("past the end of", buffer[start + tensor.numel():])):
+        if (room != -1).any():
+            return where
+    return None
+
+
+def _launch(kernel, factory: str, case: str, grid: tuple, *args, read_only: dict, written: dict,
+            outside: str = "", **constexprs) -> None:
     """kernel[grid](*args, **constexprs); a failure becomes feedback that says what to change. The tensors in
     `read_only` (by parameter name) must come back unchanged: a kernel that writes its inputs could make the
-    grader's reference agree with its output."""
+    grader's reference agree with its output. Those in `written` come from `_in_buffer`: a store around one
+    fails with `outside`, what to change."""
     before = {name: tensor.clone() for name, tensor in read_only.items()}
     try:
         if not isinstance(kernel, Handle):  # graded, the student's kernel checks it before the launch
@@ -66,6 +90,10 @@ def _launch(kernel, factory: str, case: str, grid: tuple, *args, read_only: dict
         raise
     except Exception as error:  # noqa: BLE001 - whatever the student's kernel raised
         raise ExerciseFailed(_launch_failure(factory, case, raised_type(error), str(error))) from None
+    for name, tensor in written.items():
+        where = _stored_outside(tensor)
+        if where:
+            raise ExerciseFailed(f"your kernel stored {where} {name} ({case}), out of its bounds: {outside}")
     for name, tensor in read_only.items():
         if not torch.equal(tensor, before[name]):
             raise ExerciseFailed(f"your kernel wrote into {name} ({case}), which it only reads: store only into "
@@ -109,18 +137,19 @@ def _device():
 
 def _softmax_cases(dev):
     """(x, BLOCK): a narrow batch (fits any tile); a vocabulary-wide one, several tiles and a partial last one,
-    with a row of huge logits (exp overflows without the max) and a row of filtered (-inf) logits; rows an exact
-    number of tiles; the wide one again in fp16 and bf16; a row longer than Triton's largest tile, so that one
-    tile as wide as every other row (BLOCK ignored) does not pass."""
+    with a row whose logits past its first tiles are huge (exp overflows without the max of every tile) and a row
+    of filtered (-inf) logits; rows an exact number of tiles; the wide one again in fp16 and bf16; a row longer
+    than Triton's largest tile, so that one tile as wide as every other row (BLOCK ignored) does not pass. Each
+    sits in a buffer (`_in_buffer`), as its output does."""
     g = seeded_generator(81)
     narrow = torch.randn(3, 5, generator=g)
     wide = torch.randn(4, 1000, generator=g) * 3
-    wide[1] += 2000.0
+    wide[1, 700:] += 2000.0
     wide[2, ::7] = float("-inf")
     exact = torch.randn(2, 256, generator=g) * 2
     longest = torch.randn(1, TRITON_MAX_TILE + 4099, generator=g)  # no tile, however wide, holds this row
     cases = [(narrow, 8), (wide, 128), (exact, 64), (wide.half(), 256), (wide.bfloat16(), 64), (longest, 2**16)]
-    return [(x.to(dev), block) for x, block in cases]
+    return [(_in_buffer(x.to(dev)), block) for x, block in cases]
 
 
 @exercise("08", "softmax_kernel")
@@ -128,10 +157,12 @@ def softmax_kernel(ns):
     kernel = _kernel(require(ns, "softmax_kernel"), "softmax_kernel")
     wrong_dtypes = []
     for x, block in _softmax_cases(_device()):
-        out = torch.full_like(x, float("nan"))
+        out = _in_buffer(torch.full_like(x, float("nan")))
         case = f"{NAME[x.dtype]} rows of {x.shape[1]} in tiles of {block}"
         want = x.float().softmax(-1)
-        _launch(kernel, "softmax_kernel", case, (x.shape[0],), x, out, x.shape[1], BLOCK=block, read_only={"x": x})
+        _launch(kernel, "softmax_kernel", case, (x.shape[0],), x, out, x.shape[1], BLOCK=block, read_only={"x": x},
+                written={"out": out}, outside="a store writes every lane of its tile, those past the row's end "
+                "too: mask the tail tile's store as its load (`mask=start + cols < n_cols`)")
         if _close(out, want, x.dtype):
             continue
         if x.dtype != torch.float32:
@@ -151,8 +182,8 @@ def _softmax_mistake(x, block, got, want) -> str:
     if x.shape[1] < block and torch.allclose(got, x.softmax(0), atol=1e-6):
         return "normalized over the wrong axis: each row (one token's logits) must sum to 1"
     if x.shape[0] == 4 and not torch.isfinite(got[1]).all() and torch.isfinite(got[[0, 3]]).all():
-        return ("exp overflowed on a row of large logits: subtract the row's max (over all its tiles) before "
-                "exponentiating")
+        return ("exp overflowed on a row of large logits: subtract the row's max over all its tiles (not the first "
+                "tile's only) before exponentiating")
     if torch.allclose(got, (x - x.amax(-1, keepdim=True)).exp(), atol=1e-6):
         return "not divided by the row's sum: a softmax row must sum to 1"
     sums = got.sum(-1, keepdim=True)
@@ -205,7 +236,8 @@ def store_kv_kernel(ns):
         before_k, row = k_cache.clone(), k.shape[1] * k.shape[2]
         case = f"{NAME[k.dtype]}, rows of {k.shape[1]} KV heads x {k.shape[2]}"
         _launch(kernel, "store_kv_kernel", case, (k.shape[0],), k, v, k_cache, v_cache, slots,
-                ROW=row, ROW_PAD=1 << (row - 1).bit_length(), read_only={"k": k, "v": v, "slot": slots})
+                ROW=row, ROW_PAD=1 << (row - 1).bit_length(), read_only={"k": k, "v": v, "slot": slots},
+                written={})  # the caches sit between guard rows of their own, checked here
         if torch.equal(k_cache, before_k):
             raise ExerciseFailed("the cache did not change: the kernel stored nothing")
         if k_buf[0].any() or v_buf[0].any():
@@ -223,6 +255,9 @@ def store_kv_kernel(ns):
                                  f"padded to {1 << (row - 1).bit_length()} lanes): mask the lanes >= ROW")
         if torch.equal(k_cache, want_k):
             raise ExerciseFailed("K is right but V is not: store both")
+        if any(torch.equal(k_cache.reshape(-1, row)[0], k[t].flatten()) for t in range(len(slots)) if slots[t] < 0):
+            raise ExerciseFailed("a token with slot -1 was stored in slot 0: slot -1 means store nothing (mask the "
+                                 "token's store off), not the nearest slot")
         wrong = int((k_cache != want_k).any(-1).any(-1).sum())
         raise ExerciseFailed(f"{wrong} cache rows differ from storing token t's K/V row at slot_mapping[t] ({case}); "
                              "the row of slot s starts at s * ROW, ROW = num_kv_heads * head_dim")
@@ -231,12 +266,17 @@ def store_kv_kernel(ns):
 
 # --- paged attention: decode and prefill ----------------------------------------------------------------------
 
-def _paged_case(q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, seed, dev):
+def _paged_case(q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, seed, dev, large=False):
     """random_paged_inputs with the caches inside a buffer of junk blocks (a read through a -1 table entry or
-    past the last block reads junk, not memory beyond the tensor), and junk in every slot past a context."""
+    past the last block reads junk, not memory beyond the tensor), and junk in every slot past a context; q,
+    the block tables and the offsets inside buffers too (`_in_buffer`). `large`: q x 100 and the keys of each
+    sequence's first block 0, so that scores are 0 there and ~N(0, 100^2) past it, where exp overflows fp32."""
     q, k_cache, v_cache, tables, cu_q, cu_k = random_paged_inputs(
         k_lens, q_lens, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, num_heads=heads,
         seed=seeded_generator(seed))
+    if large:
+        q *= 100.0
+        k_cache[tables[:, 0].long()] = 0.0
     for s, n in enumerate(k_lens):
         for t in range(n, block_size * tables.shape[1]):
             block = int(tables[s, t // block_size])
@@ -248,10 +288,10 @@ def _paged_case(q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, se
     for buf, cache in zip(bufs, (k_cache, v_cache), strict=True):
         buf[1:1 + blocks] = cache
     k_cache, v_cache = (b.to(dtype).to(dev)[1:1 + blocks] for b in bufs)
-    q = q.to(dtype).to(dev)
+    q, tables, cu_q, cu_k = (_in_buffer(t.to(dev)) for t in (q.to(dtype), tables, cu_q, cu_k))
     desc = (f"{NAME[dtype]}, {heads} query heads on {kv_heads} KV heads, blocks of {block_size}, head_dim {head_dim}, "
             f"context lengths {k_lens}")
-    return desc, q, k_cache, v_cache, tables.to(dev), cu_q.to(dev), cu_k.to(dev)
+    return desc, q, k_cache, v_cache, tables, cu_q, cu_k
 
 
 # (q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, seed): groups of 3, 1 and 8 query heads per KV
@@ -266,6 +306,13 @@ PREFILL = [([5, 4, 1], [5, 19, 13], 4, 2, 16, 8, torch.float32, 82),  # a prompt
            ([4, 1], [20, 16], 2, 2, 16, 16, torch.float32, 86),
            ([5, 4, 1], [5, 19, 13], 4, 2, 16, 8, torch.float16, 87),
            ([3, 2], [9, 2], 4, 2, 16, 4, torch.bfloat16, 88)]
+# graded once every case above is right: large scores past each sequence's first block (see _paged_case)
+DECODE_LARGE = ([1] * 2, [20, 29], 4, 2, 16, 8, torch.float32, 89)
+PREFILL_LARGE = ([4, 3], [20, 27], 4, 2, 16, 8, torch.float32, 90)
+# what a kernel stores past its rows: in prefill the grid runs max(q_len) programs for every sequence
+OUTSIDE = {True: "store each (sequence, head) row at (seq * NUM_HEADS + head) * HEAD_DIM, HEAD_DIM values",
+           False: "the grid runs max(q_len) programs for every sequence, so the programs with i >= q_len (rows past "
+                  "the sequence's own) must store nothing: guard the body with `if i < q_len:`"}
 
 
 def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causal", gqa="div", scale=None,
@@ -300,25 +347,33 @@ def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_q, cu_k, *, visible="causa
     return out
 
 
-def _grade_paged(make_kernel, factory: str, cases, decode: bool, mistakes) -> None:
+def _run_paged(kernel, factory: str, case, decode: bool, large=False):
+    """Launch the kernel on one case: its description, output, the reference's and the reference's arguments."""
+    q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, seed = case
+    desc, q, k_cache, v_cache, tables, cu_q, cu_k = _paged_case(
+        q_lens, k_lens, heads, kv_heads, head_dim, block_size, dtype, seed, _device(), large)
+    out = _in_buffer(torch.full_like(q, float("nan")))
+    meta = (_in_buffer(cu_k.diff()),) if decode else (cu_q, cu_k)
+    grid = (len(k_lens), heads) if decode else (len(k_lens), heads, max(q_lens))
+    args = (q, k_cache, v_cache, tables, cu_q, cu_k)
+    read_only = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                     **(dict(context_lens=meta[0]) if decode else dict(cu_q=cu_q, cu_k=cu_k)))
+    _launch(kernel, factory, desc, grid, q, k_cache, v_cache, out, tables, *meta, head_dim ** -0.5,
+            tables.shape[1], NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            read_only=read_only, written={"out": out}, outside=OUTSIDE[decode])
+    return desc, out, _sdpa_paged(*args), args
+
+
+def _grade_paged(make_kernel, factory: str, cases, large_case, decode: bool, mistakes) -> None:
     """Launch the kernel on every case; on the first wrong fp32 case name the mistake from what it got right
     (GQA group, block size, sequences whose context fills its blocks, a typical mistake's output); wrong only
-    in fp16/bf16 is a precision mistake."""
+    in fp16/bf16 is a precision mistake. Right on them all, it must be right on `large_case` too, whose scores
+    overflow exp without the running max."""
     kernel = _kernel(make_kernel, factory)
     results, per_seq, wrong_dtypes, failed = [], [], [], None
     for q_lens, k_lens, *shape, dtype, seed in cases:
-        desc, q, k_cache, v_cache, tables, cu_q, cu_k = _paged_case(q_lens, k_lens, *shape, dtype, seed, _device())
-        heads, kv_heads, head_dim, block_size = shape
-        out = torch.full_like(q, float("nan"))
-        meta = (cu_k.diff(),) if decode else (cu_q, cu_k)
-        grid = (len(k_lens), heads) if decode else (len(k_lens), heads, max(q_lens))
-        args = (q, k_cache, v_cache, tables, cu_q, cu_k)
-        want = _sdpa_paged(*args)
-        read_only = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
-                         **(dict(context_lens=meta[0]) if decode else dict(cu_q=cu_q, cu_k=cu_k)))
-        _launch(kernel, factory, desc, grid, q, k_cache, v_cache, out, tables, *meta, head_dim ** -0.5,
-                tables.shape[1], NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-                read_only=read_only)
+        desc, out, want, args = _run_paged(kernel, factory, (q_lens, k_lens, *shape, dtype, seed), decode)
+        cu_q, block_size = args[4], shape[3]
         if _close(out, want, dtype):
             results.append((shape, True))
             per_seq.extend((n, block_size, True) for n in k_lens)
@@ -338,6 +393,12 @@ def _grade_paged(make_kernel, factory: str, cases, decode: bool, mistakes) -> No
         raise ExerciseFailed(_paged_mistake(results, per_seq, *failed))
     if wrong_dtypes:
         raise ExerciseFailed(_precision_failure(wrong_dtypes))
+    desc, out, want, _ = _run_paged(kernel, factory, large_case, decode, large=True)
+    if not torch.allclose(out, want, rtol=1e-3, atol=1e-3):  # scores of hundreds: fp32 rounds them by ~1e-5
+        raise ExerciseFailed(
+            f"right while scores are small, wrong when they reach hundreds past a sequence's first block ({desc}): "
+            "exp overflows fp32 past ~88; subtract the running max, the largest score of every block so far (not "
+            "the first block's only), and rescale the sum and the accumulator by exp(m_old - m_new) when it grows")
 
 
 def _paged_mistake(results, per_seq, desc, out, want) -> str:
@@ -383,7 +444,7 @@ LAYOUT_MISTAKES = [  # reading the cache's layout and the kernel's arguments: th
 
 @exercise("08", "paged_decode_kernel", forbidden=OWN_KERNELS)
 def paged_decode_kernel(ns):
-    _grade_paged(require(ns, "paged_decode_kernel"), "paged_decode_kernel", DECODE, decode=True, mistakes=[
+    _grade_paged(require(ns, "paged_decode_kernel"), "paged_decode_kernel", DECODE, DECODE_LARGE, True, [
         (dict(visible="padded"), "keys past the context length were attended to: mask positions >= context_len"),
         (dict(visible="one_more"), "one key past the context was attended to (pos <= context_len): the context "
                                    "holds positions 0 .. context_len - 1, so keep pos < context_len"),
@@ -396,7 +457,7 @@ def paged_decode_kernel(ns):
 
 @exercise("08", "paged_prefill_kernel", forbidden=OWN_KERNELS)
 def paged_prefill_kernel(ns):
-    _grade_paged(require(ns, "paged_prefill_kernel"), "paged_prefill_kernel", PREFILL, decode=False, mistakes=[
+    _grade_paged(require(ns, "paged_prefill_kernel"), "paged_prefill_kernel", PREFILL, PREFILL_LARGE, False, [
         (dict(visible="top_left"), "row i saw keys 0..i only, as if the prompt started the context: the new tokens "
                                    "end it, so row i sees keys up to k_len - q_len + i (the cached prefix too)"),
         (dict(visible="all"), "no causal mask: row i saw keys after its own position (up to k_len - q_len + i)"),
