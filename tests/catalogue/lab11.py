@@ -35,6 +35,15 @@ def step(token_ids, num_computed, num_new, block_tables, block_size, *, position
             "cu_seqlens_k": torch.tensor(k), "slot_mapping": torch.tensor(slots), "block_tables": torch.tensor(tables)}
 
 
+def step_advancing(token_ids, num_computed, num_new, block_tables, block_size):
+    """Right tensors, then the step "done" on the engine's own lists, as postprocess would."""
+    out = step(token_ids, num_computed, num_new, block_tables, block_size)
+    for i, n in enumerate(num_new):
+        num_computed[i] += n
+        num_new[i] = 0
+    return out
+
+
 def step_vectorized(token_ids, num_computed, num_new, block_tables, block_size):
     new = torch.tensor(num_new)
     starts = torch.tensor(num_computed)
@@ -354,6 +363,7 @@ WRONG = [
           "must be a tensor of 32- or 64-bit integers"),
     Wrong("prepare_step", "8-bit tensors", lambda *a: {k: v.to(torch.uint8) for k, v in step(*a).items()},
           "fewer bits overflow"),
+    Wrong("prepare_step", "advances num_computed and num_new", step_advancing, "prepare_step changed its arguments"),
     Wrong("prepare_step", "calls the ModelRunner", step_by_labkit, "`prepare` is labkit's answer",
           calls="labkit.engine.model_runner.ModelRunner.prepare"),
     Wrong("prepare_step", "calls labkit's flatten_step", step_by_flatten_step, "`flatten_step` is labkit's answer",
