@@ -49,6 +49,33 @@ def ngram_matching_the_tail(token_ids, k, max_n):
     return []
 
 
+def ngram_before_the_tail(token_ids, k, max_n):
+    """"The context's own tail never counts" read as "a match may not overlap the tail"."""
+    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+        tail, hay = token_ids[-n:], token_ids[:-n]
+        for s in range(len(hay) - n + 1):
+            if hay[s:s + n] == tail:
+                return token_ids[s + n:s + n + k]
+    return []
+
+
+def ngram_latest_with_k_after(token_ids, k, max_n):
+    """The latest match that still leaves k tokens after it, else the first."""
+    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+        found = [s for s in range(len(token_ids) - n) if token_ids[s:s + n] == token_ids[-n:]]
+        if found:
+            full = [s for s in found if s + n + k <= len(token_ids)]
+            s = full[-1] if full else found[0]
+            return token_ids[s + n:s + n + k]
+    return []
+
+
+def ngram_eating_the_tail(token_ids, k, max_n):
+    got = ngram_loops(token_ids, k, max_n)
+    del token_ids[-1:]
+    return got
+
+
 # ---- verify_greedy ---------------------------------------------------------------------------
 def greedy_loop(logits, draft):
     out = []
@@ -82,6 +109,16 @@ def greedy_with(logits, draft, *, bonus=True, stop=True, correct=True, shift=0):
     return out
 
 
+def greedy_consuming_draft(logits, draft):
+    choices, out = logits.argmax(-1).tolist(), []
+    while draft:
+        guess = draft.pop(0)
+        if guess != choices[len(out)]:
+            return out + [choices[len(out)]]
+        out.append(guess)
+    return out + [choices[len(out)]]
+
+
 def greedy_tensor(logits, draft):
     return torch.tensor(greedy_loop(logits, draft))
 
@@ -95,6 +132,19 @@ def sampled_right(p, draft, q, generator):
             out.append(x)
             continue
         residual = (p[i] - qi).clamp(min=0)
+        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+    return out + [int(torch.multinomial(p[len(draft)], 1, generator=generator))]
+
+
+def sampled_residual_in_place(p, draft, q, generator):
+    """Right, but the residual is built in the caller's target_probs."""
+    out = []
+    for i, x in enumerate(draft):
+        qi = q[i] if q is not None else torch.eye(p.shape[-1])[x]
+        if torch.rand((), generator=generator) < torch.clamp(p[i][x] / qi[x], max=1):
+            out.append(x)
+            continue
+        residual = p[i].sub_(qi).clamp_(min=0)
         return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
     return out + [int(torch.multinomial(p[len(draft)], 1, generator=generator))]
 
@@ -214,6 +264,9 @@ WRONG = [
           "propose at most k"),
     Wrong("propose_ngram", "no fallback to shorter n-grams", lambda t, k, n: ngram_with(t, k, n, fallback=False),
           "fall back to shorter n-grams"),
+    Wrong("propose_ngram", "no match may overlap the tail", ngram_before_the_tail, "an earlier occurrence may overlap"),
+    Wrong("propose_ngram", "the latest match leaving k tokens", ngram_latest_with_k_after, "take the first one"),
+    Wrong("propose_ngram", "deletes from token_ids", ngram_eating_the_tail, "propose_ngram changed its arguments"),
     Wrong("propose_ngram", "calls labkit's ngram_lookup", lambda t, k, n: ngram_lookup(t, k, n), "`ngram_lookup`",
           calls="labkit.engine.speculative.ngram_lookup"),
     Wrong("verify_greedy", "no bonus token", lambda lg, d: greedy_with(lg, d, bonus=False), "the bonus"),
@@ -223,6 +276,7 @@ WRONG = [
           "the target's own choice at that row"),
     Wrong("verify_greedy", "compares draft i with row i + 1", lambda lg, d: greedy_with(lg, d, shift=1),
           "not draft i + 1"),
+    Wrong("verify_greedy", "pops the caller's drafts", greedy_consuming_draft, "verify_greedy changed its arguments"),
     Wrong("verify_greedy", "returns a tensor", greedy_tensor, "return a list of token ids"),
     Wrong("verify_greedy", "calls labkit's verify_greedy", lambda lg, d: labkit_verify_greedy(lg, d),
           "`verify_greedy`", calls="labkit.engine.speculative.verify_greedy"),
@@ -250,6 +304,8 @@ WRONG = [
           "always rejected"),
     Wrong("verify_sampled", "no bonus token", lambda p, d, q, g: sampled_with(p, d, q, g, bonus=False),
           "the bonus token"),
+    Wrong("verify_sampled", "builds the residual in target_probs", sampled_residual_in_place,
+          "verify_sampled changed its arguments"),
     Wrong("verify_sampled", "calls labkit's verify_sampled", lambda p, d, q, g: labkit_verify_sampled(p, d, q, g),
           "`verify_sampled`", calls="labkit.engine.speculative.verify_sampled"),
     Wrong("best_k", "forgets the bonus token", lambda a, c, m: best_k_with(a, c, m, n_of=lambda k: k),

@@ -11,9 +11,14 @@ from labkit_course.grading.core import seeded_generator, seeded_random
 _SPEC = "labkit.engine.speculative."
 
 
+def _unchanged(name: str, same: bool, what: str) -> None:
+    if not same:
+        raise ExerciseFailed(f"{name} changed its arguments: {what}; leave them as they are (work on a copy)")
+
+
 # ---- exercise 1: prompt lookup ---------------------------------------------------------------
-def reference_propose_ngram(token_ids, k, max_n, *, latest=False, shortest_first=False, include_match=False,
-                            unclipped=False, no_fallback=False):
+def reference_propose_ngram(token_ids, k, max_n, *, no_overlap=False, latest=False, shortest_first=False,
+                            include_match=False, unclipped=False, no_fallback=False):
     """labkit's `ngram_lookup` with min_n = 1; each keyword, set, makes one of _NGRAM_MISTAKES."""
     sizes = range(min(max_n, len(token_ids) - 1), 0, -1)
     if shortest_first:
@@ -22,7 +27,7 @@ def reference_propose_ngram(token_ids, k, max_n, *, latest=False, shortest_first
         sizes = [n for n in sizes if n == min(max_n, len(token_ids) - 1)]
     for n in sizes:
         tail = token_ids[-n:]
-        last = len(token_ids) - n - 1  # never the tail itself
+        last = len(token_ids) - n - (n if no_overlap else 1)  # never the tail itself
         starts = range(last, -1, -1) if latest else range(last + 1)
         for start in starts:
             if token_ids[start:start + n] == tail:
@@ -40,8 +45,14 @@ _NGRAM_CASES = [
     ([1, 2, 1, 2, 3, 1, 2], 5, 2),
     ([3], 2, 2),
     ([6, 6], 4, 3),
+    ([1, 5, 5, 5], 2, 2),  # the only earlier 5 5 overlaps the tail: it counts
+    ([2, 2, 2], 3, 3),
+    ([3, 1, 2, 1, 2, 1, 2], 4, 4),
+    ([1, 2, 1, 3, 1, 4, 1], 1, 1),  # three earlier matches: the first, even though later ones leave k tokens too
 ]
 _NGRAM_MISTAKES = {  # reference_propose_ngram's keyword that re-creates the mistake: what that answer got wrong
+    "no_overlap": "you searched only before the tail: an earlier occurrence may overlap the tail, only the tail's "
+                  "own position is excluded (in x x x the bigram x x at position 0 counts)",
     "latest": "you took the latest earlier match; take the first one: it leaves the most tokens after it (in a run "
               "x x x x the latest match is followed by one token)",
     "shortest_first": "you tried short n-grams first: try the longest n-gram (max_n) first, a longer match predicts "
@@ -73,7 +84,9 @@ def _drawn_ngram_cases(rng, count):
 def propose_ngram(ns):
     fn = require(ns, "propose_ngram")
     for token_ids, k, max_n in _NGRAM_CASES + _drawn_ngram_cases(seeded_random(1401), 8):
-        got = fn(list(token_ids), k, max_n)
+        given = list(token_ids)
+        got = fn(given, k, max_n)
+        _unchanged("propose_ngram", given == token_ids, "token_ids is the sequence's own token list")
         if not isinstance(got, list) or not all(isinstance(t, int) for t in got):
             raise ExerciseFailed(f"return a list of token ids (ints), got {type(got).__name__}")
         want = reference_propose_ngram(token_ids, k, max_n)
@@ -125,7 +138,10 @@ def verify_greedy(ns):
         draft = [choices[i] if i < agree else (choices[i] + 1) % vocab for i in range(k)]
         if agree < k - 1:  # a later draft that happens to match: only the first mismatch counts
             draft[-1] = choices[k - 1]
-        got = fn(logits.clone(), list(draft))
+        given = logits.clone(), list(draft)
+        got = fn(*given)
+        _unchanged("verify_greedy", torch.equal(given[0], logits) and given[1] == draft,
+                   "target_logits and draft are the engine's own, it rolls back the rejected drafts afterwards")
         want = reference_verify_greedy(logits, draft)
         if not isinstance(got, list) or not all(isinstance(t, int) for t in got):
             raise ExerciseFailed(f"return a list of token ids (ints), got {type(got).__name__}")
@@ -234,8 +250,12 @@ def _run_sampled(fn, g, drafts_from, p, draft_probs, draft_dist, trials):
     records, after = [], torch.zeros(k + 1, vocab)
     for _ in range(trials):
         draft = [int(torch.multinomial(sampler[i], 1, generator=drafts_from)) for i in range(k)]
-        tokens = _as_tokens(fn(p.clone(), list(draft), None if draft_probs is None else draft_probs.clone(), g),
-                            f"drafts {draft}")
+        given = p.clone(), list(draft), None if draft_probs is None else draft_probs.clone()
+        tokens = _as_tokens(fn(*given, g), f"drafts {draft}")
+        _unchanged("verify_sampled", torch.equal(given[0], p) and given[1] == draft
+                   and (draft_probs is None or torch.equal(given[2], draft_probs)),
+                   "target_probs, draft and draft_probs are the engine's own, it rolls back the rejected drafts "
+                   "afterwards")
         if not all(0 <= t < vocab for t in tokens):
             raise ExerciseFailed(f"drafts {draft} gave {tokens}: token ids are rows' indices, 0..{vocab - 1}")
         # drafts accepted: the common prefix, less the last token when every token is a draft (a replacement
