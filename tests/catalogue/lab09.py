@@ -215,6 +215,22 @@ def append(block_table, num_tokens, num_computed, block_size, hash_to_block, blo
     return copies
 
 
+def append_last_when_partial(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks,
+                             free_uncached, free_cached):
+    """Copies the table's last block when the write starts mid-block: right whenever every held token is computed."""
+    cow = num_computed % block_size != 0 and blocks[block_table[-1]].ref_count > 1
+    missing = max(0, -(-num_tokens // block_size) - len(block_table))
+    if cow + missing > len(free_uncached) + len(free_cached):
+        raise KVCacheExhausted("not enough free blocks")
+    copies = []
+    if cow:
+        source, block_table[-1] = block_table[-1], take(free_uncached, free_cached, hash_to_block, blocks)
+        blocks[source].ref_count -= 1
+        copies.append((source, block_table[-1]))
+    block_table.extend(take(free_uncached, free_cached, hash_to_block, blocks) for _ in range(missing))
+    return copies
+
+
 def append_planned(block_table, num_tokens, num_computed, block_size, hash_to_block, blocks, free_uncached,
                    free_cached):
     """Works out the whole plan (which block to copy, how many to add) before touching the pool."""
@@ -364,6 +380,8 @@ WRONG = [
     Wrong("append_blocks", "does not count the copy", lambda *a: append(*a, count_copy=False), "count the copy"),
     Wrong("append_blocks", "checks after copying", lambda *a: append(*a, check_early=False), "pool changed"),
     Wrong("append_blocks", "copies the table's last block", lambda *a: append(*a, copy_last=True),
+          "not the table's last block"),
+    Wrong("append_blocks", "copies the last block when the write starts mid-block", append_last_when_partial,
           "not the table's last block"),
     Wrong("append_blocks", "counts blocks as n // block_size + 1", lambda *a: append(*a, floor_plus_one=True),
           "adds an empty block whenever n is a multiple"),

@@ -667,6 +667,22 @@ def append_blocks(ns):
         raise ExerciseFailed(f"8 tokens in blocks of 4 fill exactly the 2 blocks held, got copies {copies} and table "
                              f"{table}: the count is ceil(n / block_size) = -(-n // block_size); n // block_size + 1 "
                              "adds an empty block whenever n is a multiple of block_size")
+    # 7. an interrupted step left tokens uncomputed and a block past the write block: the write block (index 1,
+    # num_computed 6) is shared, the table's last block is the sample's own. Expected: what labkit's append does
+    bm, family = _forked(8, 4, 6, 1)
+    family[1].block_table.append(bm.take_free_block())
+    family[1].token_ids.extend([80, 81, 82])
+    labkit, twin = copy.deepcopy((bm, family[1]))
+    twin.token_ids.append(83)
+    want = labkit.append(twin)
+    copies, table = _append_case(fn, bm, family[1], [83])
+    if (copies, table) != (want, twin.block_table):
+        raise ExerciseFailed(f"a sample with 10 tokens, 6 computed, table [0, 1, 2] (blocks of 4; block 1 shared, "
+                             f"block 2 its own): the next write lands in block index num_computed // block_size = "
+                             f"1, which is shared, so copy that one, not the table's last block; expected copies "
+                             f"{want} and table {twin.block_table}, got {copies!r} and {table}")
+    family[1].block_table = table
+    _expect_consistent(bm, family)
     rng = seeded_random(906)
     for _ in range(20):  # running sequences of a pool after random traffic (forks among them) given new tokens
         pool = _RandomPool(rng)
