@@ -3,6 +3,7 @@
 import random
 
 import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from catalogue import Right, Wrong
 from labkit.sampling import apply_penalties as labkit_penalties
@@ -117,6 +118,27 @@ def sample_multinomial(logits, temperature, generator):
     if temperature == 0:
         return int(logits.argmax())
     return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
+
+
+def sample_greedy_when_cold(logits, temperature, generator):
+    """Greedy below T = 0.25, as if a small temperature were as good as 0."""
+    if temperature < 0.25:
+        return int(logits.argmax())
+    return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
+
+
+def sample_clamped_temperature(logits, temperature, generator):
+    """Temperatures above 1 clamped to 1."""
+    return sample_multinomial(logits, min(temperature, 1.0), generator)
+
+
+def temperature_overwriting_temperatures(logits, temperatures):
+    """Right, but the greedy rows' T = 0 overwritten with 1 in the caller's tensor."""
+    greedy = temperatures == 0
+    temperatures[greedy] = 1.0
+    probs = (logits / temperatures[:, None]).softmax(-1)
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
 
 
 def sample_manual_softmax(logits, temperature, generator):
@@ -237,6 +259,18 @@ def penalties_scatter(logits, prompt_ids, output_ids, repetition, presence, freq
     return out - torch.tensor(frequency)[:, None] * counts - torch.tensor(presence)[:, None] * (counts > 0)
 
 
+def penalties_padded_with_zero(logits, prompt_ids, output_ids, repetition, presence, frequency):
+    """Batched by padding every history to one width with token 0, which then counts as seen."""
+    def pad(rows):
+        return [r + [0] * (max(map(len, rows)) - len(r)) for r in rows]
+    return penalties_scatter(logits, pad(prompt_ids), pad(output_ids), repetition, presence, frequency)
+
+
+def top_k_first_rows_threshold(logits, k):
+    values = logits.topk(k, -1).values
+    return logits.masked_fill(logits < (values[0, -1] if logits.dim() == 2 else values[-1]), NEG_INF)
+
+
 RIGHT = [
     Right("temperature_probs", "vectorized: torch.where per row", temperature_where),
     Right("temperature_probs", "loop over rows, F.one_hot and a hand-written softmax", temperature_rows),
@@ -319,6 +353,18 @@ WRONG = [
         torch.ones_like(x, dtype=torch.bool), NEG_INF), "off-by-one"),
     Wrong("top_k_filter", "filters in place", in_place_top_k, "changed its input logits in place"),
     Wrong("top_k_filter", "returns float64", lambda x, k: top_k_threshold(x, k).double(), "keep the logits' dtype"),
+    Wrong("temperature_probs", "computes in float32", lambda x, t: temperature_where(x.float(), t.float()),
+          "keep the logits' dtype"),
+    Wrong("temperature_probs", "writes into the caller's temperatures", temperature_overwriting_temperatures,
+          "changed the temperatures it was given"),
+    Wrong("sample_next", "greedy below T = 0.25", sample_greedy_when_cold, "only T = 0 is greedy"),
+    Wrong("sample_next", "clamps T to 1", sample_clamped_temperature, "don't clamp the temperature"),
+    Wrong("top_k_filter", "calls transformers' TopKLogitsWarper", lambda x, k: TopKLogitsWarper(top_k=k)(None, x),
+          "TopKLogitsWarper.__call__` is what this exercise asks",
+          calls="transformers.generation.logits_process.TopKLogitsWarper.__call__"),
+    Wrong("top_p_filter", "calls transformers' TopPLogitsWarper", lambda x, p: TopPLogitsWarper(top_p=p)(
+        None, x.reshape(-1, x.shape[-1])).reshape(x.shape), "TopPLogitsWarper.__call__` is what",
+          calls="transformers.generation.logits_process.TopPLogitsWarper.__call__"),
     Wrong("temperature_probs", "returns float64", lambda x, t: temperature_where(x.double(), t.double()),
           "keep the logits' dtype"),
     Wrong("top_k_filter", "returns only the top-k values", lambda x, k: x.topk(k, -1).values,
@@ -331,6 +377,9 @@ WRONG = [
         x < x.topk(k, dim=1).values[:, -1:], NEG_INF), "one row [vocab]"),
     Wrong("top_k_filter", "one threshold for the whole batch (values[-1])", lambda x, k: x.masked_fill(
         x < x.topk(k).values[-1], NEG_INF), "each row has its own"),
+    Wrong("top_k_filter", "one threshold for the whole batch (the first row's)", top_k_first_rows_threshold,
+          "cut at the first row's k-th largest"),
+    Wrong("apply_penalties", "histories padded with token 0", penalties_padded_with_zero, "padded with token 0"),
     Wrong("top_k_filter", "calls labkit's filter_logits", lambda x, k: filter_logits(x, top_k=k),
           "`filter_logits`", calls="labkit.sampling.filter_logits"),
     Wrong("top_p_filter", "can remove every token", lambda x, p: x.masked_fill(x.softmax(-1) < 0, NEG_INF)

@@ -60,6 +60,7 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
 
 
 _FILTER_LOGITS = ("labkit.sampling.filter_logits", "labkit.sampling.filters.filter_logits")
+_WARPERS = "transformers.generation.logits_process."
 _SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.Sampler.draw", "labkit.sampling.sampler.gumbel_max",
             "labkit.sampling.sampler.gumbel_scores")
 
@@ -85,14 +86,18 @@ def temperature_probs(ns):
     cases.append((tied, torch.tensor([0.0, 0.0, 0.0])))  # greedy with a tie and a near tie at the maximum
     for logits, temperatures in cases:
         greedy_rows = temperatures == 0
+        given = temperatures.clone()
         try:
-            got = _call_without_mutation(fn, logits, temperatures.clone())
+            got = _call_without_mutation(fn, logits, given)
         except NotImplementedError:
             raise
         except (RuntimeError, ZeroDivisionError, TypeError, ValueError, IndexError, RemoteError) as error:
             what = "a temperature of 0 (dividing by 0)" if greedy_rows.any() else "per-row temperatures"
             raise ExerciseFailed(f"raised {type(error).__name__} on {what}: `temperatures` is one value per row "
                                  "([batch]); divide by temperatures[:, None], and treat T = 0 rows as greedy") from None
+        if not torch.equal(given, temperatures):
+            raise ExerciseFailed("your function changed the temperatures it was given: the engine still reads them "
+                                 "(which rows are greedy); work on a copy")
         expected = _per_row_temperature(logits, temperatures)
         if torch.allclose(got, expected, atol=1e-6):
             continue
@@ -127,6 +132,10 @@ def temperature_probs(ns):
             raise ExerciseFailed("every row became greedy because some request asked for T = 0: decide per row")
         raise ExerciseFailed(f"with temperatures {temperatures.tolist()} the rows differ from softmax(logits / T) "
                              "(one-hot argmax where T = 0)")
+    half, temperatures = wide.bfloat16(), torch.tensor([0.7, 0.0, 1.3, 0.0], dtype=torch.bfloat16)
+    got = _call_without_mutation(fn, half, temperatures)  # an engine's logits are bf16: they stay bf16
+    if not torch.allclose(got.float(), _per_row_temperature(half.float(), temperatures.float()), atol=1e-2):
+        raise ExerciseFailed("on bfloat16 logits the rows differ from softmax(logits / T) (one-hot argmax where T = 0)")
     return "each row's own softmax(logits / T), and T = 0 rows are greedy"
 
 
@@ -144,7 +153,8 @@ def _tie_mistake(got: torch.Tensor, logits: torch.Tensor) -> str:
 
 
 @exercise("06", "top_k_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_k",
-                                        "labkit_course.engine_parts.labkit_top_k_filter"))
+                                        "labkit_course.engine_parts.labkit_top_k_filter",
+                                        _WARPERS + "TopKLogitsWarper.__call__"))
 def top_k_filter(ns):
     fn = require(ns, "top_k_filter")
     for logits, k, got, expected in _filter_cases(fn, "top_k", (1, 3, 12), seed=2, row=1):
@@ -159,10 +169,11 @@ def top_k_filter(ns):
         if (kept == k - 1).all() or (kept == k + 1).all():
             raise ExerciseFailed(f"top_k={k} kept {int(kept.flatten()[0])} tokens per row: an off-by-one at "
                                  "the k-th largest")
-        if logits.dim() == 2 and torch.equal(got, logits.masked_fill(logits < logits.topk(k).values[-1:, -1:],
-                                                                    float("-inf"))):
-            raise ExerciseFailed(f"top_k={k}: every row was cut at the last row's k-th largest logit: each row "
-                                 "has its own (topk(k, dim=-1).values[..., -1:])")
+        for which, row in (("last", -1), ("first", 0)):
+            threshold = logits.topk(k).values[row, -1] if logits.dim() == 2 else None
+            if threshold is not None and torch.equal(got, logits.masked_fill(logits < threshold, float("-inf"))):
+                raise ExerciseFailed(f"top_k={k}: every row was cut at the {which} row's k-th largest logit: each "
+                                     "row has its own (topk(k, dim=-1).values[..., -1:])")
         raise ExerciseFailed(f"top_k={k}: each row must keep its k largest logits unchanged and set the rest to -inf")
     tied = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
     if not torch.equal(_filter(fn, tied, 2), filter_logits(tied, top_k=2)):
@@ -182,7 +193,8 @@ def _unscattered(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]
 
 
 @exercise("06", "top_p_filter", forbidden=(*_FILTER_LOGITS, "labkit.sampling.filters.apply_top_p",
-                                        "labkit_course.engine_parts.labkit_top_p_filter"))
+                                        "labkit_course.engine_parts.labkit_top_p_filter",
+                                        _WARPERS + "TopPLogitsWarper.__call__"))
 def top_p_filter(ns):
     fn = require(ns, "top_p_filter")
     for logits, top_p, got, expected in _filter_cases(fn, "top_p", (0.3, 0.7, 0.95), seed=3, row=2):
@@ -254,11 +266,24 @@ def sample_next(ns):
     if abs(cold.count(0) / 300 - float((logits / 0.3).softmax(-1)[0])) > 0.15:  # 6 standard deviations
         raise ExerciseFailed("at temperature 0.3 the draws should concentrate on the argmax: divide the "
                              "logits by the temperature before the softmax")
-    for temperature in (1.0, 0.7):
-        seeded = [fn(logits.clone(), temperature, seeded_generator(seed)) for seed in range(200)]
-        want = [int(torch.multinomial((logits / temperature).softmax(-1), 1,
-                                      generator=seeded_generator(seed))) for seed in range(200)]
-        if sum(a != b for a, b in zip(seeded, want, strict=True)) > 2:  # a rounding difference may flip a rare draw
+
+    def multinomial_draws(row, temperature):
+        return [int(torch.multinomial((row / temperature).softmax(-1), 1, generator=seeded_generator(seed)))
+                for seed in range(200)]
+
+    def differ(a, b):  # a rounding difference may flip a rare draw
+        return sum(x != y for x, y in zip(a, b, strict=True)) > 2
+
+    for row, temperature in ((logits, 1.0), (logits, 0.7), (logits, 1.5), (logits / 10, 0.1)):
+        seeded = [fn(row.clone(), temperature, seeded_generator(seed)) for seed in range(200)]
+        wrong = differ(seeded, multinomial_draws(row, temperature))
+        if set(seeded) == {int(row.argmax())}:
+            raise ExerciseFailed(f"at temperature {temperature} every draw was the argmax: only T = 0 is greedy, "
+                                 "a small T > 0 still samples from softmax(logits / T)")
+        if wrong and temperature > 1 and not differ(seeded, multinomial_draws(row, 1.0)):
+            raise ExerciseFailed(f"at temperature {temperature} the draws are those of T = 1: don't clamp the "
+                                 "temperature, T > 1 flattens the distribution")
+        if wrong:
             raise ExerciseFailed(f"at temperature {temperature}, seeds 0..199 gave other tokens than "
                                  "torch.multinomial(softmax(logits / T), 1, generator=generator): the exercise asks "
                                  "for that draw (a Gumbel-max or an inverse-CDF draw of your own follows the same "
@@ -273,9 +298,12 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 def _penalized(logits, prompt_ids, output_ids, repetition, presence, frequency, *, divides_negatives=False,
                per_occurrence=False, repetition_output_only=False, counts_prompt=False, frequency_once=False,
-               first_row=False, adds_presence=False, subtract_first=False, presence_counts=False, whole_row=False):
+               first_row=False, adds_presence=False, subtract_first=False, presence_counts=False, whole_row=False,
+               pads_zero=False):
     """Each row's penalties applied with loops, the readable way; each keyword, set, makes one of
     _PENALTY_MISTAKES."""
+    if pads_zero:  # a batched answer's histories padded to one width with token 0, then used as they are
+        prompt_ids, output_ids = (_padded(ids).clamp(min=0).tolist() for ids in (prompt_ids, output_ids))
     out = logits.clone()
     for b, row in enumerate(out):
         r = 0 if first_row else b
@@ -312,6 +340,8 @@ _PENALTY_MISTAKES = {  # _penalized's keyword that re-creates the mistake: what 
                        "token, however often it was generated (the count is frequency_penalty's)",
     "whole_row": "repetition_penalty was applied to the whole row: it applies only to the tokens seen so far (prompt "
                  "and output)",
+    "pads_zero": "the histories were padded with token 0, a real token id: rows that never saw token 0 penalized it; "
+                 "pad with a value you mask out (or use each row's own list)",
     "subtract_first": "the penalties were applied in the wrong order: repetition_penalty first, on the raw logits (its "
                       "sign test reads them), then subtract frequency and presence",
 }
