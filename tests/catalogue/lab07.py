@@ -70,7 +70,7 @@ class Allocator:
         return new if self.mistake == "empty_list" else new or None
 
     def free_sequence(self, seq_id):
-        blocks = self.tables.pop(seq_id)
+        blocks = self.tables.pop(seq_id, []) if self.mistake == "lenient_free" else self.tables.pop(seq_id)
         if self.mistake != "leak":
             self.free += blocks
         return None if self.mistake == "no_count" else len(blocks)
@@ -84,6 +84,22 @@ class Allocator:
 
 def allocator_with(mistake):
     return type(f"Allocator_{mistake}", (Allocator,), {"mistake": mistake})
+
+
+class LengthFirstAllocator(Allocator):
+    """Records a new sequence's length before the out-of-memory check, its table after; appends to a sequence
+    without a table as if it held no blocks."""
+
+    def allocate_sequence(self, seq_id, length):
+        self.lens[seq_id] = length
+        if self.blocks_for(length) > len(self.free):
+            raise MemoryError("out of blocks")
+        self.tables[seq_id] = [self.free.pop(0) for _ in range(self.blocks_for(length))]
+        return list(self.tables[seq_id])
+
+    def append_tokens(self, seq_id, num_tokens):
+        self.tables.setdefault(seq_id, [])
+        return super().append_tokens(seq_id, num_tokens)
 
 
 class SetAllocator:
@@ -284,6 +300,12 @@ def step_per_head_scalars(state, query, key_block, value_block):
     return m, total, acc
 
 
+def step_in_float32(state, query, key_block, value_block):
+    """Computed in float32, as a GPU kernel does, and cast back to the inputs' dtype."""
+    new = step(tuple(t.float() for t in state), query.float(), key_block.float(), value_block.float())
+    return tuple(t.to(query.dtype) for t in new)
+
+
 SEEN: list = []
 
 
@@ -313,6 +335,7 @@ RIGHT = [
     Right("gather_kv_from_blocks", "token by token", gather_token_by_token),
     Right("online_softmax_step", "vectorised over heads", step),
     Right("online_softmax_step", "scalar recurrence per head and key", step_per_head_scalars),
+    Right("online_softmax_step", "computed in float32, cast back", step_in_float32),
 ]
 
 WRONG = [
@@ -371,6 +394,16 @@ WRONG = [
           allocator_with("allocate_one_at_a_time"), "failed allocation kept the blocks"),
     Wrong("SimpleBlockAllocator", "the sequence registered (empty) before the out-of-memory check",
           allocator_with("registers_first"), "still registered"),
+    Wrong("SimpleBlockAllocator", "free_sequence of an unknown id returns 0", allocator_with("lenient_free"),
+          "for an id never allocated"),
+    Wrong("SimpleBlockAllocator", "the length recorded before the out-of-memory check", LengthFirstAllocator,
+          "left sequence 2's length"),
+    Wrong("calculate_memory_savings", "accepts a negative length", lambda **kw: savings(**kw, check=False)
+          if min(kw["lengths"]) < 0 else savings(**kw), "lengths [10, -5]"),
+    Wrong("gather_kv_from_blocks", "a float32 result for any cache", lambda *a: gather(*a).float(),
+          "keep the cache's dtype"),
+    Wrong("online_softmax_step", "a float32 state for float64 inputs",
+          lambda *a: tuple(t.float() for t in step_in_float32(*a)), "in the inputs' dtype"),
     Wrong("online_softmax_step", "no rescaling when the max grows", lambda *a: step(*a, rescale="none"),
           "not rescaled when the max grew"),
     Wrong("online_softmax_step", "l rescaled, acc not", lambda *a: step(*a, rescale="l"), "acc was not"),

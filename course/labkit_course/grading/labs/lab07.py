@@ -77,6 +77,13 @@ def _fails_without_a_trace(cls) -> None:
     sequence and retries the same request."""
     alloc = cls(total_blocks=5, block_size=16)
     alloc.allocate_sequence(seq_id=1, length=50)  # 4 blocks, 14 free slots in the last, 1 block free
+    try:
+        freed = alloc.free_sequence(seq_id=99)
+    except Exception:  # noqa: BLE001 - any error: sequence 99 is unknown, as it should be
+        pass
+    else:
+        raise ExerciseFailed(f"free_sequence(99), for an id never allocated, returned {freed!r}: raise KeyError for "
+                             "a sequence the allocator does not know")
     _raises_memory_error(lambda: alloc.allocate_sequence(seq_id=2, length=40),
                          "allocating 40 tokens (3 blocks, 1 free)")
     util = alloc.get_utilization()
@@ -92,6 +99,17 @@ def _fails_without_a_trace(cls) -> None:
         raise ExerciseFailed(f"after its allocation failed, sequence 2 is still registered (free_sequence(2) "
                              f"returned {freed!r} instead of raising KeyError): register a sequence only once its "
                              "blocks are taken")
+    try:
+        grown = alloc.append_tokens(seq_id=2, num_tokens=1)
+    except Exception as error:  # noqa: BLE001 - any error but running out: sequence 2 is unknown
+        if raised_type(error) == "MemoryError":
+            raise ExerciseFailed("after its allocation failed, append_tokens(2, 1) raised MemoryError instead of "
+                                 "KeyError: the failed allocation left sequence 2's length (40 tokens) behind; record "
+                                 "a sequence's length only once its blocks are taken") from None
+    else:
+        raise ExerciseFailed(f"after its allocation failed, append_tokens(2, 1) returned {grown!r} instead of raising "
+                             "KeyError: sequence 2 is still registered; register a sequence only once its blocks are "
+                             "taken")
     _raises_memory_error(lambda: alloc.append_tokens(seq_id=1, num_tokens=40),
                          "appending 40 tokens to 50 (2 more blocks, 1 free)")
     util = alloc.get_utilization()
@@ -226,7 +244,7 @@ def calculate_memory_savings(ns):
             if not math.isclose(float(got[key]), value, rel_tol=1e-9):
                 scale = " (percent means 0..100)" if key == "savings_percent" else ""
                 raise ExerciseFailed(f"{key} should be {value:.6g} for {args}, got {got[key]!r}{scale}")
-    for lengths, problem in (([10, 300, 20], "300"), ([10, 0], "0")):
+    for lengths, problem in (([10, 300, 20], "300"), ([10, 0], "0"), ([10, -5], "-5")):
         try:
             fn(lengths=lengths, max_length=256, block_size=16, memory_per_token=8)
         except (ValueError, RemoteError) as error:  # RemoteError: raised in the student's kernel, named there
@@ -236,9 +254,9 @@ def calculate_memory_savings(ns):
                 raise ExerciseFailed(f"the ValueError for lengths {lengths} should name the bad length {problem} "
                                      f"(it said: {error})") from None
             continue
-        raise ExerciseFailed(f"lengths {lengths} with max_length 256 gave a result: a sequence longer than the "
-                             "reservation (or of no tokens) has no place in this comparison; raise ValueError "
-                             "naming it")
+        raise ExerciseFailed(f"lengths {lengths} with max_length 256 gave a result: a length outside "
+                             "1..max_length (longer than the reservation, or no tokens, or negative) has no place in "
+                             "this comparison; raise ValueError naming it")
     return "each sequence rounded up to its own blocks, against a max_length reservation; bad lengths rejected"
 
 
@@ -286,6 +304,13 @@ def gather_kv_from_blocks(ns):
                              "[blocks, layers, K/V, block_size, heads, dim], so index the layer first, then K/V")
     _gathered_the_right_tokens(got, _reference_gather(kv_cache, block_table, seq_lengths, 0, 1), kv_cache,
                                block_table, seq_lengths, 0, 1)
+    half = kv_cache.half()  # a real KV cache is fp16 or bf16
+    got = _gather_reading_only(fn, half, block_table, seq_lengths, 1, 1)
+    if not isinstance(got, torch.Tensor) or got.dtype != half.dtype:
+        raise ExerciseFailed(f"a float16 cache gave {getattr(got, 'dtype', type(got).__name__)}: keep the cache's "
+                             "dtype (torch.zeros(..., dtype=kv_cache.dtype)); a float32 copy doubles the memory")
+    _gathered_the_right_tokens(got, _reference_gather(half, block_table, seq_lengths, 1, 1), half, block_table,
+                               seq_lengths, 1, 1)
     return "each sequence's tokens in order, of the layer and K/V asked for, zero-padded to the longest"
 
 
@@ -329,6 +354,10 @@ def _reference_state(query, key_blocks, value_blocks, scale=None, rescale=True, 
     return m, total, acc
 
 
+# A step computed in float32 (as a GPU kernel does) is right too: float32 rounding stays well inside this.
+_STATE_TOL = dict(rtol=1e-5, atol=1e-4)
+
+
 def _blocks(g, n, scales):
     keys = [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) * s for s in scales]
     return keys, [torch.randn(8, 4, 16, generator=g, dtype=torch.float64) for _ in range(n)]
@@ -363,9 +392,12 @@ def _fold(step, query, keys, values, early_keys, early_values, state, from_given
         if [tuple(t.shape) for t in got] != [(4,), (4,), (4, 16)]:
             raise ExerciseFailed(f"expected m [num_heads], l [num_heads], acc [num_heads, head_dim] = (4,), (4,), "
                                  f"(4, 16); got {[tuple(t.shape) for t in got]}")
+        if any(t.dtype != query.dtype for t in got):
+            raise ExerciseFailed(f"the state came back as {[t.dtype for t in got]} for {query.dtype} inputs: return it "
+                                 "in the inputs' dtype (cast back if you compute in another)")
         seen_k, seen_v = early_keys + keys[:i + 1], early_values + values[:i + 1]
         want = _reference_state(query, seen_k, seen_v)
-        if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9) for a, b in zip(got, want, strict=True)):
+        if all(torch.allclose(a, b, **_STATE_TOL) for a, b in zip(got, want, strict=True)):
             state = tuple(got)
             continue
         if from_given:
@@ -378,7 +410,7 @@ def _step_mistake(query, keys, values, before, got, want, i, step, after) -> str
     """Name the mistake from the state the step returned after block i (and, where one block cannot tell two
     mistakes apart, from the state it returns after the next block, `after`)."""
     m, total, acc = got
-    close = lambda a, b: torch.allclose(a, b, rtol=1e-9, atol=1e-9)  # noqa: E731
+    close = lambda a, b: torch.allclose(a, b, **_STATE_TOL)  # noqa: E731
     where = f"after block {i}"
     if close(m, _reference_state(query, keys, values, scale=1.0)[0]):
         return f"{where}: scores were not divided by sqrt(head_dim): s = q . k / sqrt(d)"
