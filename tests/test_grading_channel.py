@@ -435,6 +435,33 @@ def test_finishing_one_worker_kills_nothing_another_is_starting():
     assert born > 50 and killed == 0, (born, killed)
 
 
+def test_a_replaced_kernels_cleanup_leaves_its_replacement_alone(tmp_path):
+    """A dead kernel's manager removes its connection file and sockets when it is cleaned up, which may come
+    after its replacement made its own: the two must not share paths (a replacement then never answered, and
+    the notebook earned nothing)."""
+    from labkit_course.grading.session import _kernel_answers
+
+    workdir = sandbox.Workdir.create(None, tmp_path)
+    limits = sandbox.Limits(cell_s=30)
+    kernel = ContainedKernel(workdir, limits, "none", None)
+    try:
+        first = kernel.client(nbformat.v4.new_notebook())
+        kernel.start(first)
+        first.kc.stop_channels()
+        kernel.kill()
+        for leftover in workdir.channel.glob("ipc*"):  # as after a crash: nothing of the first kernel is left
+            leftover.unlink()
+        second = kernel.client(nbformat.v4.new_notebook())
+        kernel.start(second)
+        second.kc.stop_channels()
+        first.km.cleanup_connection_file()
+        first.km.cleanup_ipc_files()
+        assert _kernel_answers(second, limits)
+    finally:
+        kernel.kill()
+        workdir.remove()
+
+
 def test_a_leader_already_reaped_is_not_killed_by_its_old_pid():
     stranger = subprocess.Popen(["sleep", "1000"])  # stands in for a process given a dead leader's pid
     reaped = subprocess.Popen(["true"])

@@ -128,8 +128,11 @@ class ContainedKernel:
         self.leaders: list[subprocess.Popen] = []  # every process we launched (a replay starts a second kernel)
 
     def client(self, nb: nbformat.NotebookNode) -> _CellClient:
-        km = _ContainedKernelManager(transport="ipc", ip=str(self.workdir.channel / "ipc"),
-                                     connection_file=str(self.workdir.channel / "kernel.json"))
+        # each kernel its own connection file and sockets: a replaced kernel's manager removes its file when
+        # it is cleaned up, which could be after its replacement wrote the same path and before it read it
+        n = len(self.leaders)
+        km = _ContainedKernelManager(transport="ipc", ip=str(self.workdir.channel / f"ipc{n}"),
+                                     connection_file=str(self.workdir.channel / f"kernel{n}.json"))
         km._kernel_spec = _kernel_spec()
         km.wrap = lambda argv: sandbox.wrap_command(argv, self.workdir, self.limits, self.uid, self.how)
         km.uid, km.message_bytes = self.uid, self.limits.message_bytes
