@@ -244,8 +244,9 @@ def train_on_characters(text, num_merges):
     return _train_pieces(Counter(tuple(ord(c) for c in piece) for piece in pretokenize(text)), num_merges)
 
 
-def _train_pieces(pieces, num_merges):
-    """The solution's loop over {piece: frequency} (a set counts each piece once)."""
+def _train_pieces(pieces, num_merges, fewest=1):
+    """The solution's loop over {piece: frequency} (a set counts each piece once), stopping when the best pair
+    occurs fewer than `fewest` times."""
     pieces = dict.fromkeys(pieces, 1) if isinstance(pieces, set) else dict(pieces)
     merges = {}
     for step in range(num_merges):
@@ -253,6 +254,8 @@ def _train_pieces(pieces, num_merges):
         if not counts:
             break
         pair = min(counts, key=lambda p: (-counts[p], p))
+        if counts[pair] < fewest:
+            break
         merges[pair] = 256 + step
         pieces = {tuple(merge_while(list(ids), pair, 256 + step)): n for ids, n in pieces.items()}
     return merges
@@ -316,18 +319,7 @@ def merge_by_string_replacement(ids, pair, new_id):
 
 def train_skipping_pairs_seen_once(text, num_merges):
     """Stops when the best pair occurs only once, which labkit's train still merges."""
-    pieces = Counter(tuple(piece.encode("utf-8")) for piece in pretokenize(text))
-    merges = {}
-    for step in range(num_merges):
-        counts = pair_counts_dict(pieces)
-        if not counts:
-            break
-        pair = min(counts, key=lambda p: (-counts[p], p))
-        if counts[pair] < 2:
-            break
-        merges[pair] = 256 + step
-        pieces = Counter({tuple(merge_while(list(ids), pair, 256 + step)): n for ids, n in pieces.items()})
-    return merges
+    return _train_pieces(Counter(tuple(piece.encode("utf-8")) for piece in pretokenize(text)), num_merges, fewest=2)
 
 
 def train_on_whitespace_split(text, num_merges):

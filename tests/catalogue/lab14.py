@@ -124,29 +124,21 @@ def greedy_tensor(logits, draft):
 
 
 # ---- verify_sampled --------------------------------------------------------------------------
-def sampled_right(p, draft, q, generator):
+def sampled_right(p, draft, q, generator, in_place=False):
     out = []
     for i, x in enumerate(draft):
         qi = q[i] if q is not None else torch.eye(p.shape[-1])[x]
         if torch.rand((), generator=generator) < torch.clamp(p[i][x] / qi[x], max=1):
             out.append(x)
             continue
-        residual = (p[i] - qi).clamp(min=0)
+        residual = p[i].sub_(qi).clamp_(min=0) if in_place else (p[i] - qi).clamp(min=0)
         return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
     return out + [int(torch.multinomial(p[len(draft)], 1, generator=generator))]
 
 
 def sampled_residual_in_place(p, draft, q, generator):
     """Right, but the residual is built in the caller's target_probs."""
-    out = []
-    for i, x in enumerate(draft):
-        qi = q[i] if q is not None else torch.eye(p.shape[-1])[x]
-        if torch.rand((), generator=generator) < torch.clamp(p[i][x] / qi[x], max=1):
-            out.append(x)
-            continue
-        residual = p[i].sub_(qi).clamp_(min=0)
-        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-    return out + [int(torch.multinomial(p[len(draft)], 1, generator=generator))]
+    return sampled_right(p, draft, q, generator, in_place=True)
 
 
 def sampled_numpy_style(p, draft, q, generator):

@@ -64,14 +64,8 @@ def shard_checking_out_features_only(weight, bias, rank, world_size, mode):
     """Checks the even split on out_features whatever the mode: a row split of uneven in_features drops columns."""
     if weight.shape[0] % world_size:
         raise ValueError("uneven")
-    dim = 0 if mode == "column" else 1
-    part = weight.shape[dim] // world_size
-    w = weight.narrow(dim, rank * part, part).clone()
-    if bias is None:
-        return w, None
-    if mode == "column":
-        return w, bias[rank * part:(rank + 1) * part].clone()
-    return w, (bias.clone() if rank == 0 else None)
+    even = weight.shape[1] - weight.shape[1] % world_size  # a row split: the columns past an even split dropped
+    return shard_by_slices(weight if mode == "column" else weight[:, :even], bias, rank, world_size, mode)
 
 
 def shard_by_labkit_bounds(weight, bias, rank, world_size, mode):

@@ -72,18 +72,23 @@ def _raises_memory_error(call, what: str) -> None:
         raise ExerciseFailed(f"{what} did not raise: when the pool has too few free blocks, raise MemoryError")
 
 
+def _refuses_to_free(alloc, seq_id: int, mistake: str) -> None:
+    """free_sequence of a sequence the allocator does not know must raise; `mistake` ({freed}: what it
+    returned) says what returning instead means."""
+    try:
+        freed = alloc.free_sequence(seq_id=seq_id)
+    except Exception:  # noqa: BLE001 - any error: the sequence is unknown, as it should be
+        return
+    raise ExerciseFailed(mistake.format(freed=freed))
+
+
 def _fails_without_a_trace(cls) -> None:
     """A failed append or allocation must leave the allocator as it was: the engine preempts another
     sequence and retries the same request."""
     alloc = cls(total_blocks=5, block_size=16)
     alloc.allocate_sequence(seq_id=1, length=50)  # 4 blocks, 14 free slots in the last, 1 block free
-    try:
-        freed = alloc.free_sequence(seq_id=99)
-    except Exception:  # noqa: BLE001 - any error: sequence 99 is unknown, as it should be
-        pass
-    else:
-        raise ExerciseFailed(f"free_sequence(99), for an id never allocated, returned {freed!r}: raise KeyError for "
-                             "a sequence the allocator does not know")
+    _refuses_to_free(alloc, 99, "free_sequence(99), for an id never allocated, returned {freed!r}: raise KeyError "
+                                "for a sequence the allocator does not know")
     _raises_memory_error(lambda: alloc.allocate_sequence(seq_id=2, length=40),
                          "allocating 40 tokens (3 blocks, 1 free)")
     util = alloc.get_utilization()
@@ -91,14 +96,9 @@ def _fails_without_a_trace(cls) -> None:
         raise ExerciseFailed(f"the failed allocation kept the blocks it took before the pool ran dry (utilization "
                              f"{util!r}, was 0.8): count the blocks a new sequence needs and check that many are "
                              "free before taking any")
-    try:
-        freed = alloc.free_sequence(seq_id=2)
-    except Exception:  # noqa: BLE001 - any error: sequence 2 is unknown, as it should be
-        pass
-    else:
-        raise ExerciseFailed(f"after its allocation failed, sequence 2 is still registered (free_sequence(2) "
-                             f"returned {freed!r} instead of raising KeyError): register a sequence only once its "
-                             "blocks are taken")
+    _refuses_to_free(alloc, 2, "after its allocation failed, sequence 2 is still registered (free_sequence(2) "
+                               "returned {freed!r} instead of raising KeyError): register a sequence only once its "
+                               "blocks are taken")
     try:
         grown = alloc.append_tokens(seq_id=2, num_tokens=1)
     except Exception as error:  # noqa: BLE001 - any error but running out: sequence 2 is unknown
