@@ -439,7 +439,7 @@ def test_a_replaced_kernels_cleanup_leaves_its_replacement_alone(tmp_path):
     """A dead kernel's manager removes its connection file and sockets when it is cleaned up, which may come
     after its replacement made its own: the two must not share paths (a replacement then never answered, and
     the notebook earned nothing)."""
-    from labkit_course.grading.session import _kernel_answers
+    from labkit_course.grading.session import _blocking_client
 
     workdir = sandbox.Workdir.create(None, tmp_path)
     limits = sandbox.Limits(cell_s=30)
@@ -456,7 +456,11 @@ def test_a_replaced_kernels_cleanup_leaves_its_replacement_alone(tmp_path):
         second.kc.stop_channels()
         first.km.cleanup_connection_file()
         first.km.cleanup_ipc_files()
-        assert _kernel_answers(second, limits)
+        client = _blocking_client(second, limits)
+        try:  # a new connection to the replacement, as grading makes: it answers (its sockets are still there)
+            assert client.execute("1 + 1", reply=True, timeout=60)["content"]["status"] == "ok"
+        finally:
+            client.stop_channels()
     finally:
         kernel.kill()
         workdir.remove()
