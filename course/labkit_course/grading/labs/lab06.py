@@ -59,6 +59,7 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits)
 
 
+SEEDED_DRAWS = 100  # seeds per temperature compared with torch.multinomial's draws
 _FILTER_LOGITS = ("labkit.sampling.filter_logits", "labkit.sampling.filters.filter_logits")
 _WARPERS = "transformers.generation.logits_process."
 _SAMPLER = ("labkit.sampling.Sampler.__call__", "labkit.sampling.Sampler.draw", "labkit.sampling.sampler.gumbel_max",
@@ -269,13 +270,13 @@ def sample_next(ns):
 
     def multinomial_draws(row, temperature):
         return [int(torch.multinomial((row / temperature).softmax(-1), 1, generator=seeded_generator(seed)))
-                for seed in range(200)]
+                for seed in range(SEEDED_DRAWS)]
 
     def differ(a, b):  # a rounding difference may flip a rare draw
         return sum(x != y for x, y in zip(a, b, strict=True)) > 2
 
     for row, temperature in ((logits, 1.0), (logits, 0.7), (logits, 1.5), (logits / 10, 0.1)):
-        seeded = [fn(row.clone(), temperature, seeded_generator(seed)) for seed in range(200)]
+        seeded = [fn(row.clone(), temperature, seeded_generator(seed)) for seed in range(SEEDED_DRAWS)]
         wrong = differ(seeded, multinomial_draws(row, temperature))
         if set(seeded) == {int(row.argmax())}:
             raise ExerciseFailed(f"at temperature {temperature} every draw was the argmax: only T = 0 is greedy, "
@@ -284,7 +285,7 @@ def sample_next(ns):
             raise ExerciseFailed(f"at temperature {temperature} the draws are those of T = 1: don't clamp the "
                                  "temperature, T > 1 flattens the distribution")
         if wrong:
-            raise ExerciseFailed(f"at temperature {temperature}, seeds 0..199 gave other tokens than "
+            raise ExerciseFailed(f"at temperature {temperature}, seeds 0..{SEEDED_DRAWS - 1} gave other tokens than "
                                  "torch.multinomial(softmax(logits / T), 1, generator=generator): the exercise asks "
                                  "for that draw (a Gumbel-max or an inverse-CDF draw of your own follows the same "
                                  "distribution with other tokens per seed, so a seeded request would not reproduce)")
