@@ -1,7 +1,6 @@
 """Session-wide test setup that must happen before any test module imports triton, and the fixtures
 the C kernels' build tests and the engine tests share."""
 
-import importlib.util
 import os
 import sys
 
@@ -20,13 +19,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Lab 08's graders compile the student's kernels for a GPU on triton.language as imported, which the
-# interpreter's launches leave patched: it is kept now, before any test launches one (graded, before the
-# notebook's first cell).
-if importlib.util.find_spec("triton") is not None:
-    from labkit_course.grading.kernels import remember_triton
+# Lab 08's graders compile the student's kernels for a GPU on Triton as imported, which the interpreter's
+# launches leave patched: it is kept now, before any test launches one (graded, before the first cell).
+from labkit_course.grading.kernels import remember_triton  # noqa: E402
 
-    remember_triton()
+remember_triton()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ what the course rules (`labkit_course.grading.rules`) let a notebook do, not aga
 import ast
 import dis
 import functools
+import importlib.util
 import inspect
 import os
 import site
@@ -231,23 +232,23 @@ def _scope(fn) -> dict:
     return scope
 
 
-def _names(code: types.CodeType) -> set[str]:
-    """Every global, attribute and free name a function's code (and the code nested in it) uses."""
-    names = set(code.co_names) | set(code.co_freevars)
+def _codes(code: types.CodeType):
+    """A function's code and the code nested in it."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
+            yield from _codes(const)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Every global, attribute and free name a function's code (and the code nested in it) uses."""
+    return {name for c in _codes(code) for name in (*c.co_names, *c.co_freevars)}
 
 
 def _looked_up(code: types.CodeType) -> set[str]:
     """The names a function's code (and the code nested in it) looks up as globals or closure variables."""
-    names = {i.argval for i in dis.get_instructions(code)
-             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF")}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _looked_up(const)
-    return names
+    return {i.argval for c in _codes(code) for i in dis.get_instructions(c)
+            if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF")}
 
 
 # --- Triton a GPU could compile ------------------------------------------------------------------------------
@@ -384,12 +385,17 @@ _PRISTINE: list[tuple[object, dict]] = []  # triton's modules and classes as imp
 
 def remember_triton() -> None:
     """Keep Triton's modules and classes as they are before any kernel runs (graded, before the notebook's
-    first cell), for compiling and launching the student's kernels on them (`pristine_triton`)."""
+    first cell), for compiling and launching the student's kernels on them (`pristine_triton`). Triton is
+    imported as the labs' first cells import it: interpreted where there is no CUDA. (Nothing without triton.)"""
+    if _PRISTINE or importlib.util.find_spec("triton") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton.language  # noqa: F401 - its modules are what is kept
     import triton.runtime.interpreter  # noqa: F401
 
-    if _PRISTINE:
-        return
     for name, module in list(sys.modules.items()):
         if module is not None and name.partition(".")[0] == "triton":
             _PRISTINE.append((module, dict(vars(module))))
@@ -436,30 +442,21 @@ def _triton_compiles():
     from triton.runtime.interpreter import InterpretedFunction
 
     with pristine_triton():
-        swapped = []
+        swapped = []  # (owner, name, what it holds, the InterpretedFunction that is or wraps)
         for name, module in list(sys.modules.items()):
             if module is not None and name.partition(".")[0] == "triton":
-                swapped += [(module, key, value) for key, value in vars(module).items()
+                swapped += [(module, key, value, value) for key, value in vars(module).items()
                             if type(value) is InterpretedFunction]
         for key, value in vars(tl.tensor).items():  # a member is a wrapper closing over the function
             held = [c.cell_contents for c in value.__closure__ or ()] if type(value) is types.FunctionType else []
-            swapped += [(tl.tensor, key, value) for inner in held if type(inner) is InterpretedFunction]
-        for owner, key, value in swapped:
-            setattr(owner, key, _jit_twin(_wrapped_kernel(value)))
+            swapped += [(tl.tensor, key, value, inner) for inner in held if type(inner) is InterpretedFunction]
+        for owner, key, _, interpreted in swapped:
+            setattr(owner, key, _jit_twin(interpreted))
         try:
             yield
         finally:
-            for owner, key, value in swapped:
+            for owner, key, value, _ in swapped:
                 setattr(owner, key, value)
-
-
-def _wrapped_kernel(value):
-    """The InterpretedFunction `value` is, or the one a tl.tensor member wrapper closes over."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if type(value) is InterpretedFunction:
-        return value
-    return next(c.cell_contents for c in value.__closure__ if type(c.cell_contents) is InterpretedFunction)
 
 
 _TWINS: dict[int, tuple] = {}  # id(InterpretedFunction) -> (it, its JITFunction): each made once

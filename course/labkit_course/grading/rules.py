@@ -106,27 +106,26 @@ def _closest(source: str, course: set[str]) -> str | None:
 
 
 def notebook_aliases(nb: nbformat.NotebookNode) -> dict[str, set[str]]:
-    """Every name a cell's imports bind, and the modules (or module members) it is bound to."""
+    """Every name a cell's imports bind, and the modules (or module members) it is bound to; then every name a
+    cell assigns such a module to (`lc = labkit_course`, `interp = triton.runtime.interpreter`)."""
     aliases: dict[str, set[str]] = {}
-    for cell in nb.cells:
-        tree = _parse(cell.source) if cell.cell_type == "code" and len(cell.source) <= CELL_LIMIT else None
-        for node in ast.walk(tree) if tree is not None else ():
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    name = alias.asname or alias.name.split(".")[0]
-                    aliases.setdefault(name, set()).add(alias.name if alias.asname else alias.name.split(".")[0])
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                for alias in node.names:
-                    aliases.setdefault(alias.asname or alias.name, set()).add(f"{node.module}.{alias.name}")
-    for cell in nb.cells:  # `lc = labkit_course`, `interp = triton.runtime.interpreter`: a module kept in a name
-        tree = _parse(cell.source) if cell.cell_type == "code" and len(cell.source) <= CELL_LIMIT else None
-        for node in ast.walk(tree) if tree is not None else ():
-            if isinstance(node, ast.Assign | ast.AnnAssign | ast.NamedExpr) and node.value is not None:
-                modules = _bases(node.value, aliases) if isinstance(node.value, ast.Name | ast.Attribute) else set()
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    if modules and isinstance(target, ast.Name):
-                        aliases.setdefault(target.id, set()).update(modules)
+    nodes = [node for cell in nb.cells if cell.cell_type == "code" and len(cell.source) <= CELL_LIMIT
+             for node in ast.walk(_parse(cell.source) or ast.Module(body=[], type_ignores=[]))]
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.asname or alias.name.split(".")[0]
+                aliases.setdefault(name, set()).add(alias.name if alias.asname else alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                aliases.setdefault(alias.asname or alias.name, set()).add(f"{node.module}.{alias.name}")
+    for node in nodes:
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.NamedExpr) and node.value is not None:
+            modules = _bases(node.value, aliases) if isinstance(node.value, ast.Name | ast.Attribute) else set()
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if modules and isinstance(target, ast.Name):
+                    aliases.setdefault(target.id, set()).update(modules)
     return aliases
 
 

@@ -128,8 +128,8 @@ class ContainedKernel:
         self.leaders: list[subprocess.Popen] = []  # every process we launched (a replay starts a second kernel)
 
     def client(self, nb: nbformat.NotebookNode) -> _CellClient:
-        # each kernel its own connection file and sockets: a replaced kernel's manager removes its file when
-        # it is cleaned up, which could be after its replacement wrote the same path and before it read it
+        # each kernel its own connection file and sockets: a replaced kernel's manager removes its files when
+        # it is cleaned up, which could be after its replacement made the same ones
         n = len(self.leaders)
         km = _ContainedKernelManager(transport="ipc", ip=str(self.workdir.channel / f"ipc{n}"),
                                      connection_file=str(self.workdir.channel / f"kernel{n}.json"))
@@ -297,19 +297,14 @@ def _run_and_grade(kernel: ContainedKernel, nb, lab: str, run: NotebookRun, skip
 def _install_guards(client: _CellClient, lab: str, limits: sandbox.Limits) -> None:
     """Before the notebook's first cell, the lab's forbidden functions become guards in the kernel
     (labkit_course.grading.forbidden.install_guards), so that nothing the notebook keeps is labkit's own,
-    and triton.language is kept as imported, for compiling the student's kernels (kernels.remember_triton)."""
+    and Triton is kept as imported, for compiling and launching the student's kernels (kernels.remember_triton)."""
     paths = sorted({path for ex in exercises(lab) for path in ex.forbidden})
     kc = _blocking_client(client, limits)
     try:
         msg_id = kc.execute(f"import labkit_course.grading.forbidden as _guards\n"
                             f"_guards.install_guards({paths!r})\ndel _guards\n"
-                            "import importlib.util as _util, os as _os, torch as _torch\n"
-                            "if _util.find_spec('triton'):  # as the labs' first cells: interpreted on a CPU\n"
-                            "    if not _torch.cuda.is_available():\n"
-                            "        _os.environ.setdefault('TRITON_INTERPRET', '1')\n"
-                            "    import labkit_course.grading.kernels as _kernels\n"
-                            "    _kernels.remember_triton()\n    del _kernels\n"
-                            "del _util, _os, _torch", silent=True, store_history=False)
+                            "import labkit_course.grading.kernels as _kernels\n_kernels.remember_triton()\n"
+                            "del _kernels", silent=True, store_history=False)
         reply = kc.get_shell_msg(timeout=limits.cell_s)
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = kc.get_shell_msg(timeout=limits.cell_s)
